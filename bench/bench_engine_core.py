@@ -1,0 +1,46 @@
+"""EngineCore step time (synthetic executor, zero latency) and block hashing.
+
+Run: pytest bench/ --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams, block_hashes
+from enginecore.executor import SyntheticExecutor
+
+
+def decoding_engine(num_reqs: int) -> EngineCore:
+    cfg = EngineArgs(
+        model="synthetic", max_model_len=1 << 16, kv_cache_memory_bytes=16 << 30,
+        max_num_seqs=max(num_reqs, 1), max_num_batched_tokens=max(8192, num_reqs),
+    ).create_engine_config()
+    eng = EngineCore(cfg, SyntheticExecutor)
+    rng = random.Random(0)
+    for i in range(num_reqs):
+        prompt = [rng.randrange(32000) for _ in range(32)]
+        eng.add_request(EngineCoreRequest(
+            f"req-{i}", prompt, SamplingParams(max_tokens=60000, ignore_eos=True, seed=i)))
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+        eng.step()
+    return eng
+
+
+@pytest.mark.parametrize("num_reqs", [1, 64, 256])
+def test_engine_step(benchmark, path, num_reqs):
+    benchmark.group = f"engine_step[{num_reqs} decodes]"
+    eng = decoding_engine(num_reqs)
+    outputs, executed = benchmark(eng.step)
+    assert executed and len(outputs[0].outputs) == num_reqs
+
+
+def test_block_hash(benchmark, path):
+    benchmark.group = "block_hash[32k tokens, block 16]"
+    rng = random.Random(0)
+    tokens = [rng.randrange(150000) for _ in range(32768)]
+    hashes = benchmark(block_hashes, tokens, 16)
+    assert len(hashes) == 2048
+    benchmark.extra_info["tokens_per_s"] = 32768 / benchmark.stats.stats.min

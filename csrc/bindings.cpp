@@ -1,0 +1,15 @@
+// Python bindings of enginecore._C. Each hot path lives in its own file
+// named after its Python twin; this file only wires them into the module.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+#ifndef ENGINECORE_VERSION
+#define ENGINECORE_VERSION "0.0.0"
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "enginecore native hot paths";
+  m.def("version", [] { return std::string(ENGINECORE_VERSION); },
+        "Version of the package the extension was built for.");
+}

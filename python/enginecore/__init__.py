@@ -1,0 +1,42 @@
+"""enginecore: an engine core for LLM serving (scheduler, paged KV cache with
+prefix caching, model executor), with native hot paths and pure-Python twins."""
+
+from enginecore._native import native_available
+from enginecore.config import EngineArgs, EngineConfig
+from enginecore.core.engine_core import EngineCore
+from enginecore.errors import EngineDeadError, EngineGenerateError
+from enginecore.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    LoRARequest,
+    SchedulerStats,
+    UtilityOutput,
+    UtilityResult,
+)
+from enginecore.sampling_params import SamplingParams
+from enginecore.sched.block_hash import block_hashes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EngineArgs",
+    "EngineConfig",
+    "EngineCore",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineCoreRequestType",
+    "EngineDeadError",
+    "EngineGenerateError",
+    "FinishReason",
+    "LoRARequest",
+    "SamplingParams",
+    "SchedulerStats",
+    "UtilityOutput",
+    "UtilityResult",
+    "block_hashes",
+    "native_available",
+]

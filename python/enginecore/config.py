@@ -1,0 +1,283 @@
+"""Typed engine configuration: ``EngineArgs`` (flat, CLI-friendly) -> ``EngineConfig``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, get_args, get_type_hints
+
+from enginecore.sched.block_hash import HASH_ALGOS
+from enginecore.sched.request_queue import SchedulingPolicy
+
+logger = logging.getLogger(__name__)
+
+SYNTHETIC_MODEL = "synthetic"
+ExecutorBackend = Literal["uniproc", "synthetic"]
+
+
+@dataclass
+class ModelConfig:
+    """The model and the facts about it the engine needs (read from its files)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int = 2048
+    vocab_size: int = 32000
+    eos_token_id: int | None = None
+    bos_token_id: int | None = None
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    architecture: str = SYNTHETIC_MODEL
+    # Where the model's files resolved to (a directory or a .gguf file); None for synthetic.
+    model_path: str | None = None
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.model == SYNTHETIC_MODEL
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    num_gpu_blocks_override: int | None = None
+    # CPU: bytes of KV cache; None = a fraction of free RAM, capped (see executor).
+    kv_cache_memory_bytes: int | None = None
+    # CUDA: fraction of device memory the engine may use in all.
+    gpu_memory_utilization: float = 0.9
+    # Set once the KV cache is sized.
+    num_gpu_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # A prefill chunk of a request is capped at this many tokens (0 = no cap).
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_size_local: int = 1
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+
+
+@dataclass
+class ExecutorConfig:
+    backend: ExecutorBackend = "uniproc"
+    max_concurrent_batches: int = 1
+    # SyntheticExecutor only: seconds each step takes.
+    synthetic_step_latency_s: float = 0.0
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    executor_config: ExecutorConfig
+    # None: the environment decides (ENGINECORE_NATIVE); True/False forces a path.
+    use_native: bool | None = None
+    log_iteration_details: bool = False
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments, named as in vLLM where vLLM has the knob.
+
+    ``model=None`` means the default model (SmolLM2-135M-Instruct); ``"synthetic"``
+    selects the synthetic model, which only the SyntheticExecutor can run.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    scheduling_policy: str = "fcfs"
+    max_concurrent_batches: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_backend: str = "mp"
+    executor_backend: str | None = None
+    synthetic_step_latency_s: float = 0.0
+    synthetic_vocab_size: int = 32000
+    synthetic_eos_token_id: int | None = None
+    use_native: bool | None = None
+    log_iteration_details: bool = False
+
+    def create_engine_config(self) -> EngineConfig:
+        self._validate()
+        model_config = self._create_model_config()
+        max_model_len = model_config.max_model_len
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = max(2048, self.max_num_seqs) if self.enable_chunked_prefill else max(
+                max_model_len, 2048
+            )
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) < max_model_len ({max_model_len}) "
+                "needs enable_chunked_prefill=True, or a long prompt could never be scheduled"
+            )
+        backend = self.executor_backend or ("synthetic" if model_config.is_synthetic else "uniproc")
+        if model_config.is_synthetic != (backend == "synthetic"):
+            raise ValueError(
+                f"executor_backend={backend!r} cannot run model={model_config.model!r}: "
+                "the synthetic model runs only on the synthetic executor and vice versa"
+            )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                scheduling_policy=SchedulingPolicy(self.scheduling_policy),
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            parallel_config=ParallelConfig(
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_rank=self.data_parallel_rank,
+                data_parallel_size_local=self.data_parallel_size,
+                data_parallel_backend=self.data_parallel_backend,  # type: ignore[arg-type]
+            ),
+            executor_config=ExecutorConfig(
+                backend=backend,  # type: ignore[arg-type]
+                max_concurrent_batches=self.max_concurrent_batches,
+                synthetic_step_latency_s=self.synthetic_step_latency_s,
+            ),
+            use_native=self.use_native,
+            log_iteration_details=self.log_iteration_details,
+        )
+
+    def _validate(self) -> None:
+        def bad(name: str, must: str) -> ValueError:
+            return ValueError(f"EngineArgs.{name} must be {must}, got {getattr(self, name)!r}")
+
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise bad("block_size", "a power of two in [1, 256]")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", ">= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", ">= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", ">= 2")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise bad("num_gpu_blocks_override", ">= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "in (0, 1]")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise bad("prefix_caching_hash_algo", f"one of {HASH_ALGOS}")
+        if self.scheduling_policy not in [p.value for p in SchedulingPolicy]:
+            raise bad("scheduling_policy", "'fcfs' or 'priority'")
+        if not 1 <= self.max_concurrent_batches <= 8:
+            raise bad("max_concurrent_batches", "in [1, 8]")
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", ">= 1")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise bad("data_parallel_rank", f"in [0, {self.data_parallel_size})")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise bad("data_parallel_backend", "'mp' or 'ray'")
+        if self.executor_backend not in (None, *get_args(ExecutorBackend)):
+            raise bad("executor_backend", f"one of {get_args(ExecutorBackend)}")
+        if self.synthetic_step_latency_s < 0:
+            raise bad("synthetic_step_latency_s", ">= 0")
+
+    def _create_model_config(self) -> ModelConfig:
+        if self.model == SYNTHETIC_MODEL:
+            max_len = self.max_model_len or 4096
+            return ModelConfig(
+                model=SYNTHETIC_MODEL,
+                dtype="float32",
+                device="cpu",
+                seed=self.seed,
+                max_model_len=max_len,
+                vocab_size=self.synthetic_vocab_size,
+                eos_token_id=self.synthetic_eos_token_id,
+            )
+        # Real models: facts come from the model's own files.
+        from enginecore.model.model_info import resolve_model_config
+
+        return resolve_model_config(
+            self.model, dtype=self.dtype, device=self.device, seed=self.seed,
+            max_model_len=self.max_model_len,
+        )
+
+    # -- CLI ---------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            hint = hints[f.name]
+            default = f.default
+            if hint is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                continue
+            parser.add_argument(flag, type=_cli_type(hint), default=default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _cli_type(hint: Any) -> Any:
+    args = [a for a in get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    if base is bool:
+        return lambda s: s.lower() in ("1", "true", "yes", "on")
+    return base if base in (int, float, str) else str
+
+
+def default_cache_dir() -> str:
+    """Where enginecore keeps fetched and converted models (``ENGINECORE_CACHE_DIR``)."""
+    return os.environ.get(
+        "ENGINECORE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "enginecore")
+    )
+
+
+__all__ = [
+    "CacheConfig",
+    "EngineArgs",
+    "EngineConfig",
+    "ExecutorConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "SYNTHETIC_MODEL",
+    "default_cache_dir",
+]

@@ -1,0 +1,370 @@
+"""EngineCore: the scheduler, the KV cache and the executor in one loop step.
+
+In-process users call ``add_request`` / ``step`` directly; ``EngineCoreProc``
+(core/engine_core_proc.py) wraps it in a busy loop behind ZMQ.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any, Literal
+
+from enginecore import _native
+from enginecore.config import EngineConfig
+from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
+from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, SchedulerStats
+from enginecore.request import Request, RequestStatus
+from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
+from enginecore.sched.scheduler import PauseState, Scheduler
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "keep", "wait"]
+
+
+class EngineCore:
+    """Inner loop of the engine: ``step()`` schedules, runs the model, and
+    turns sampled tokens into per-client ``EngineCoreOutputs``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: type[Executor] | None = None,
+        log_stats: bool = False,
+        executor_fail_callback: Any = None,
+    ) -> None:
+        _native.set_native(config.use_native)
+        self.config = config
+        self.log_stats = log_stats
+        if executor_class is None:
+            executor_class = get_executor_class(config)
+        logger.info(
+            "EngineCore starting: model=%s executor=%s native=%s",
+            config.model_config.model, executor_class.__name__, _native.native_available(),
+        )
+        self.model_executor = executor_class(config)
+        if executor_fail_callback is not None:
+            self.model_executor.register_failure_callback(executor_fail_callback)
+        num_blocks = self._initialize_kv_caches()
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = (
+            deque(maxlen=self.batch_queue_size) if self.batch_queue_size > 1 else None
+        )
+        self.scheduler = Scheduler(
+            config,
+            num_blocks,
+            log_stats=log_stats and config.log_iteration_details,
+            track_in_flight=self.batch_queue is not None,
+        )
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        # Aborts that arrive (from the input thread) while a step runs are
+        # applied before that step's outputs are processed.
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.weight_version: str | None = None
+        mc = config.model_config
+        self._eos_token_id = mc.eos_token_id
+        self._vocab_size = mc.vocab_size
+        self._max_model_len = self.scheduler.max_model_len
+        cc = config.cache_config
+        self._block_size = cc.block_size
+        self._hash_algo = cc.prefix_caching_hash_algo
+        self._enable_hashes = cc.enable_prefix_caching
+
+    # -- start-up -------------------------------------------------------------------
+    def _initialize_kv_caches(self) -> int:
+        cc = self.config.cache_config
+        spec = self.model_executor.get_kv_cache_specs()
+        t0 = time.perf_counter()
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            available = self.model_executor.determine_available_memory()
+            num_blocks = available // spec.page_size_bytes
+            if num_blocks < 1:
+                raise ValueError(
+                    f"no room for the KV cache: {available} bytes available, one block needs "
+                    f"{spec.page_size_bytes}; raise kv_cache_memory_bytes / gpu_memory_utilization"
+                )
+        cc.num_gpu_blocks = num_blocks
+        self.model_executor.initialize_from_config(KVCacheConfig(num_blocks, spec))
+        tokens = num_blocks * spec.block_size
+        max_len = self.config.scheduler_config.max_model_len
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), %.1fx max_model_len %d "
+            "(sized in %.2f s)",
+            num_blocks, spec.block_size, tokens, num_blocks * spec.page_size_bytes / 2**20,
+            tokens / max_len, max_len, time.perf_counter() - t0,
+        )
+        if tokens < max_len:
+            logger.warning(
+                "the KV cache holds %d tokens, less than max_model_len %d: requests are capped "
+                "at %d tokens", tokens, max_len, tokens,
+            )
+            self.config.scheduler_config.max_model_len = tokens
+        return num_blocks
+
+    # -- requests ----------------------------------------------------------------------
+    def preprocess_add_request(self, request: EngineCoreRequest) -> tuple[Request, int]:
+        """Turn a wire request into an engine Request (block hashes included).
+
+        Runs off the busy loop in the process engine. Raises ``TypeError`` for a
+        request id that is not a str.
+        """
+        if not isinstance(request.request_id, str):
+            raise TypeError(
+                f"request_id must be a str, got {type(request.request_id).__name__}"
+            )
+        req = Request.from_engine_core_request(
+            request, self._eos_token_id, self._block_size, self._hash_algo,
+            self._enable_hashes and self._fits(request) is None,
+        )
+        return req, request.current_wave
+
+    def _fits(self, request: EngineCoreRequest | Request) -> str | None:
+        """Why the request cannot run, or None when it can."""
+        prompt = request.prompt_token_ids
+        n = len(prompt)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self._max_model_len:
+            return (
+                f"prompt of {n} tokens leaves no room to generate within max_model_len "
+                f"{self._max_model_len}"
+            )
+        if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+            return f"prompt token ids must be in [0, {self._vocab_size})"
+        return None
+
+    def add_request(self, request: Request | EngineCoreRequest, request_wave: int = 0) -> None:
+        """Queue a request. A request that cannot run is answered with finish
+        reason ERROR; a duplicate live id raises ``ValueError`` and leaves the
+        first untouched."""
+        if isinstance(request, EngineCoreRequest):
+            request, request_wave = self.preprocess_add_request(request)
+        if not isinstance(request.request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live; rejected")
+        reason = self._fits(request)
+        if reason is not None:
+            logger.warning("rejecting request %s: %s", request.request_id, reason)
+            self.scheduler.reject_request(request, reason)
+            return
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort live requests; unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _process_aborts_queue(self) -> None:
+        q = self.aborts_queue
+        while not q.empty():
+            try:
+                ids = q.get_nowait()
+            except queue.Empty:
+                break
+            self.abort_requests(ids)
+
+    # -- stepping ------------------------------------------------------------------------
+    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """One schedule + execute + update. Returns (outputs per client, model ran)."""
+        scheduler = self.scheduler
+        if not scheduler.has_requests() or self.model_executor.is_sleeping:
+            return scheduler.take_pending_outputs(), False
+        t0 = time.perf_counter()
+        scheduler_output = scheduler.schedule()
+        if not self._needs_execution(scheduler_output):
+            return scheduler.take_pending_outputs(), False
+        model_output = self._execute(scheduler_output)
+        self._process_aborts_queue()
+        self._stamp_elapsed(t0)
+        outputs = scheduler.update_from_output(scheduler_output, model_output)
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Keep up to ``max_concurrent_batches`` batches in flight: schedule and
+        launch a new batch while the queue has room and the oldest is still
+        running; otherwise block on the oldest and process its outputs."""
+        batch_queue = self.batch_queue
+        assert batch_queue is not None
+        scheduler = self.scheduler
+        model_executed = False
+        t0 = time.perf_counter()
+        if scheduler.has_requests() and not self.model_executor.is_sleeping:
+            scheduler_output = scheduler.schedule()
+            if self._needs_execution(scheduler_output):
+                future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                batch_queue.appendleft((future, scheduler_output))  # type: ignore[arg-type]
+                model_executed = scheduler_output.total_num_scheduled_tokens > 0
+                if (
+                    model_executed
+                    and len(batch_queue) < self.batch_queue_size
+                    and not batch_queue[-1][0].done()
+                ):
+                    return {}, True
+        if not batch_queue:
+            return scheduler.take_pending_outputs(), False
+        future, scheduler_output = batch_queue.pop()
+        model_output = self._result(future)
+        self._process_aborts_queue()
+        self._stamp_elapsed(t0)
+        return scheduler.update_from_output(scheduler_output, model_output), model_executed
+
+    @staticmethod
+    def _needs_execution(so: SchedulerOutput) -> bool:
+        # Finished/preempted ids must reach the runner even without tokens to run.
+        return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            result = self.model_executor.execute_model(scheduler_output, non_block=False)
+        except BaseException:
+            self.scheduler.log_state()
+            raise
+        if isinstance(result, Future):
+            return self._result(result)
+        return self._sampled(result)
+
+    def _result(self, future: Future) -> ModelRunnerOutput:
+        try:
+            return self._sampled(future.result())
+        except BaseException:
+            self.scheduler.log_state()
+            raise
+
+    def _sampled(self, output: ModelRunnerOutput | None) -> ModelRunnerOutput:
+        if output is None:  # sampling was deferred (structured outputs)
+            output = self.model_executor.sample_tokens(None)
+        return output  # type: ignore[return-value]
+
+    def _stamp_elapsed(self, t0: float) -> None:
+        details = self.scheduler.last_iteration
+        if details is not None:
+            details.elapsed_ms = (time.perf_counter() - t0) * 1e3
+
+    def post_step(self, model_executed: bool) -> None:
+        """Hand draft tokens from the executor back to the scheduler (spec decode)."""
+        if not model_executed:
+            return
+        take = getattr(self.model_executor, "take_draft_token_ids", None)
+        if take is None:
+            return
+        drafts = take()
+        if drafts:
+            requests = self.scheduler.requests
+            for rid, tokens in drafts.items():
+                req = requests.get(rid)
+                if req is not None and not req.is_finished():
+                    req.spec_token_ids = tokens
+
+    def _drain_batch_queue(self) -> None:
+        """Finish every in-flight batch; their outputs are kept for the next step."""
+        if not self.batch_queue:
+            return
+        while self.batch_queue:
+            future, so = self.batch_queue.pop()
+            outputs = self.scheduler.update_from_output(so, self._result(future))
+            for client, outs in outputs.items():
+                for out in outs.outputs:
+                    self.scheduler.owe_output(client, out)
+
+    # -- utility methods (the allow-list lives in core/utility.py) -------------------------
+    def profile(self, is_start: bool = True) -> None:
+        self.model_executor.profile(is_start)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def pause_scheduler(self, mode: PauseMode = "abort") -> None:
+        """Stop scheduling. ``abort``: abort every live request, then pause;
+        ``keep``: freeze every request where it is; ``wait``: let running
+        requests finish, admit no new ones. Requests added while paused wait."""
+        if mode not in ("abort", "keep", "wait"):
+            raise ValueError(f"pause mode must be 'abort', 'keep' or 'wait', got {mode!r}")
+        if mode == "abort":
+            self._drain_batch_queue()
+            self.abort_requests(list(self.scheduler.requests))
+        state = PauseState.PAUSED_NEW if mode == "wait" else PauseState.PAUSED_ALL
+        self.scheduler.set_pause_state(state)
+
+    def resume_scheduler(self) -> None:
+        self.scheduler.set_pause_state(PauseState.UNPAUSED)
+
+    def is_scheduler_paused(self) -> bool:
+        return self.scheduler.pause_state != PauseState.UNPAUSED
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights (level 2). Running
+        requests are preempted and resume by recompute after ``wake_up``."""
+        self._drain_batch_queue()
+        self.scheduler.preempt_all()
+        self.model_executor.sleep(level)
+        self.scheduler.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.model_executor.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.model_executor.is_sleeping
+
+    def execute_dummy_batch(self) -> None:
+        self.model_executor.execute_dummy_batch()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.model_executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_executor.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.model_executor.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.model_executor.pin_lora(lora_id)
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return self.model_executor.collective_rpc(method, timeout, tuple(args), kwargs)
+
+    def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        self.model_executor.save_sharded_state(path, pattern, max_size)
+
+    def set_weight_version(self, version: str | None) -> None:
+        self.weight_version = version
+
+    def get_weight_version(self) -> str | None:
+        return self.weight_version
+
+    def get_kv_cache_group_metadata(self) -> list[dict[str, Any]]:
+        spec = self.model_executor.get_kv_cache_specs()
+        return [{
+            "group_id": 0,
+            "kind": "full_attention",
+            "block_size": spec.block_size,
+            "num_blocks": self.config.cache_config.num_gpu_blocks,
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "page_size_bytes": spec.page_size_bytes,
+        }]
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.model_executor.get_supported_tasks()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()

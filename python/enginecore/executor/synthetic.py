@@ -1,0 +1,157 @@
+"""SyntheticExecutor: a measuring instrument for the engine, never the default.
+
+Tokens are a pure function of (request seed, position), so any schedule,
+preemption or batch composition gives the same tokens; steps take a
+configurable latency, and up to ``max_concurrent_batches`` run at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
+from enginecore.executor.lora_slots import LoRASlots
+from enginecore.protocol import LoRARequest
+from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
+
+_MASK = (1 << 64) - 1
+
+
+def synthetic_token(seed: int, position: int, vocab_size: int) -> int:
+    """splitmix64 of (seed, position), reduced to the vocabulary."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) % vocab_size
+
+
+def request_seed(seed: int | None, prompt_token_ids: list[int]) -> int:
+    """The request's seed, or (unseeded) a CRC of its prompt, so equal prompts agree."""
+    if seed is not None:
+        return seed & _MASK
+    return zlib.crc32(bytes(str(prompt_token_ids[:256]), "ascii")) | (len(prompt_token_ids) << 32)
+
+
+class SyntheticExecutor(Executor):
+    RPC_METHODS = frozenset({"echo", "num_steps"})
+
+    def _init_executor(self) -> None:
+        mc = self.config.model_config
+        self.vocab_size = mc.vocab_size
+        self.latency_s = self.config.executor_config.synthetic_step_latency_s
+        self._max_batches = self.config.executor_config.max_concurrent_batches
+        # req_id -> [seed, number of tokens the runner knows]
+        self._state: dict[str, list[int]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.num_steps = 0
+        self.num_dummy_batches = 0
+        self._loras: LoRASlots[LoRARequest] = LoRASlots(max_loras=4)
+        self.kv_cache_config: KVCacheConfig | None = None
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self._max_batches
+
+    def get_kv_cache_specs(self) -> KVCacheSpec:
+        mc = self.config.model_config
+        return KVCacheSpec(
+            self.config.cache_config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, 4
+        )
+
+    def determine_available_memory(self) -> int:
+        return self.config.cache_config.kv_cache_memory_bytes or (1 << 30)
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        if self.is_sleeping:
+            raise RuntimeError("execute_model called while the executor sleeps")
+        output = self._run(scheduler_output)
+        if self.latency_s <= 0:
+            return completed_future(output) if non_block else output
+        if not non_block:
+            time.sleep(self.latency_s)
+            return output
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._max_batches, thread_name_prefix="synthetic")
+        return self._pool.submit(self._after_latency, output)
+
+    def _after_latency(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        time.sleep(self.latency_s)
+        return output
+
+    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        state = self._state
+        vocab = self.vocab_size
+        with self._lock:
+            self.num_steps += 1
+            for rid in so.finished_req_ids:
+                state.pop(rid, None)
+            for rid in so.preempted_req_ids:
+                state.pop(rid, None)
+            computed: dict[str, int] = {}
+            for new in so.scheduled_new_reqs:
+                seed = request_seed(new.sampling_params.seed, new.token_ids[: new.num_prompt_tokens])
+                state[new.req_id] = [seed, len(new.token_ids)]
+                computed[new.req_id] = new.num_computed_tokens
+            cached = so.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            spec = so.scheduled_spec_decode_tokens
+            req_ids = list(so.num_scheduled_tokens)
+            sampled: list[list[int]] = []
+            for rid, n in so.num_scheduled_tokens.items():
+                st = state[rid]
+                drafts = spec.get(rid)
+                if drafts:
+                    n -= len(drafts)
+                if computed[rid] + n < st[1]:
+                    sampled.append([])  # mid-prefill chunk: nothing to sample
+                    continue
+                pos = st[1]
+                tokens = [synthetic_token(st[0], pos, vocab)]
+                if drafts:
+                    for d in drafts:
+                        if d != tokens[-1]:
+                            break
+                        pos += 1
+                        tokens.append(synthetic_token(st[0], pos, vocab))
+                st[1] += len(tokens)
+                sampled.append(tokens)
+        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+
+    def execute_dummy_batch(self) -> None:
+        self.num_dummy_batches += 1
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
+
+    def _rpc_echo(self, value: Any = None) -> Any:
+        return value
+
+    def _rpc_num_steps(self) -> int:
+        return self.num_steps
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        self._loras.add(lora_request.lora_int_id, lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._loras.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._loras.ids()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._loras.pin(lora_id)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -1,0 +1,156 @@
+"""Wire structs exchanged with front-ends (msgspec msgpack, array_like).
+
+Every message on the request socket is ``[type byte frame, payload]`` where the
+type byte is an ``EngineCoreRequestType``. Outputs travel as ``EngineCoreOutputs``.
+docs/protocol.md is the reference for the bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from enginecore.sampling_params import SamplingParams
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every message a front-end sends to the engine."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    EXECUTOR_FAILED = b"\x04"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; encoded as its int value."""
+
+    STOP = 0  # EOS or a stop token
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # aborted by a client or by pause(mode="abort")
+    ERROR = 3  # rejected or failed; stop_reason says why
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):  # type: ignore[call-arg]
+    """An adapter a request runs with; ``lora_int_id`` is part of the block hash."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
+class EngineCoreRequest(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
+):  # type: ignore[call-arg]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None = None
+    arrival_time: float = 0.0
+    lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    # Index of the front-end that sent it: outputs are routed back by it.
+    client_index: int = 0
+    # DP wave the front-end believed current when it sent the request.
+    current_wave: int = 0
+    priority: int = 0
+
+
+class Logprobs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Logprobs of the sampled positions of one request in one step.
+
+    Row i: ``token_ids[i][0]`` is the sampled token, followed by the top-N;
+    ``logprobs[i]`` aligns with it; ``ranks[i]`` is the sampled token's rank.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
+):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityResult(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Return value of a utility call; the client converts it to the method's
+    declared return type (``enginecore.core.utility``)."""
+
+    value: Any = None
+
+
+class UtilityOutput(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
+):  # type: ignore[call-arg]
+    call_id: int
+    failure_message: str | None = None
+    result: UtilityResult | None = None
+
+
+class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+
+
+class IterationDetails(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """What one engine step did; attached to stats when enabled."""
+
+    num_prefill_reqs: int = 0
+    num_decode_reqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    elapsed_ms: float = 0.0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    step_counter: int = 0
+    current_wave: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    num_preempted_total: int = 0
+    iteration: IterationDetails | None = None
+
+
+class EngineCoreOutputs(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False
+):  # type: ignore[call-arg]
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+    # Data parallel waves: set by rank 0 when a wave ends / a request asks for one.
+    wave_complete: int | None = None
+    start_wave: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()
+
+
+# Sent by the engine as the whole payload when it dies, on every output socket.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"

@@ -1,0 +1,75 @@
+"""Sampling parameters of one request, validated on construction and on decode."""
+
+from __future__ import annotations
+
+import msgspec
+
+_MAX_SEED = 2**63 - 1
+
+
+class SamplingParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):  # type: ignore[call-arg]
+    """What to sample and when to stop. Defaults sample greedily up to 16 tokens.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
+    ``logprobs=N`` returns the top-N logprobs (plus the sampled token's) at each
+    sampled position. Invalid values raise ``ValueError`` naming the field.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: object, must: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field} must be {must}, got {value!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "an int >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an int >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0.0:  # also catches NaN
+            raise bad("temperature", self.temperature, ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive int")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None and not (-_MAX_SEED <= self.seed <= _MAX_SEED):
+            raise bad("seed", self.seed, "a 64-bit signed int")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative ints")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad("logprobs", self.logprobs, "None or an int in [0, 20]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 10]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -1,0 +1,125 @@
+"""Chained prefix-cache hashes of full KV blocks (the Python twin of csrc/block_hash.cpp).
+
+The bytes fed to the hash for block ``i`` are defined in docs/architecture.md
+("Block hash encoding"):
+
+    parent (32 bytes; 32 zero bytes for the first block)
+    || the block's token ids, each as uint32 little endian
+    || extra keys, only when there are any (see ``encode_extra_keys``)
+
+and the block hash is ``sha256`` of those bytes (32 bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+
+HASH_ALGOS = ("sha256",)
+ROOT_PARENT = bytes(32)
+
+ExtraKey = int | str | bytes
+
+_LITTLE = sys.byteorder == "little"
+
+
+def encode_extra_keys(extra_keys: Sequence[ExtraKey] | None) -> bytes:
+    """Encode extra keys: per key a tag byte then its value.
+
+    int -> b"i" + int64 LE; str -> b"s" + uint32 LE length + UTF-8; bytes -> b"b" + uint32 LE
+    length + raw. ``None`` or empty -> b"" (no suffix, so a plain block hashes 32 + 4*B bytes).
+    """
+    if not extra_keys:
+        return b""
+    out = bytearray()
+    for key in extra_keys:
+        if isinstance(key, bool):  # bool is an int subclass; refuse the ambiguity
+            raise TypeError("block hash extra keys must be int, str or bytes, not bool")
+        if isinstance(key, int):
+            out += b"i" + struct.pack("<q", key)
+        elif isinstance(key, str):
+            raw = key.encode("utf-8")
+            out += b"s" + struct.pack("<I", len(raw)) + raw
+        elif isinstance(key, bytes):
+            out += b"b" + struct.pack("<I", len(key)) + key
+        else:
+            raise TypeError(f"block hash extra keys must be int, str or bytes, got {type(key)}")
+    return bytes(out)
+
+
+def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as uint32 little endian; negative or >= 2**32 ids raise ``ValueError``."""
+    try:
+        arr = array("I", token_ids)
+    except OverflowError as e:
+        raise ValueError(f"token ids must be in [0, 2**32): {e}") from None
+    except TypeError as e:
+        raise TypeError(f"token ids must be ints: {e}") from None
+    if not _LITTLE:  # pragma: no cover - no big-endian machines here
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def check_algo(algo: str) -> None:
+    if algo not in HASH_ALGOS:
+        raise ValueError(f"unknown prefix caching hash algo {algo!r}; supported: {HASH_ALGOS}")
+
+
+def block_hashes_py(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: bytes | None = None,
+    extra_keys: Sequence[ExtraKey] | None = None,
+    algo: str = "sha256",
+) -> list[bytes]:
+    """The chained hash of every full block of ``token_ids``."""
+    check_algo(algo)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = ROOT_PARENT if parent is None else parent
+    if len(prev) != 32:
+        raise ValueError(f"parent hash must be 32 bytes, got {len(prev)}")
+    data = tokens_to_bytes(token_ids)
+    extra = encode_extra_keys(extra_keys)
+    step = 4 * block_size
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    append = out.append
+    end = (len(token_ids) // block_size) * step
+    if extra:
+        for start in range(0, end, step):
+            prev = sha(prev + data[start : start + step] + extra).digest()
+            append(prev)
+    else:
+        for start in range(0, end, step):
+            prev = sha(prev + data[start : start + step]).digest()
+            append(prev)
+    return out
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: bytes | None = None,
+    extra_keys: Sequence[ExtraKey] | None = None,
+    algo: str = "sha256",
+) -> list[bytes]:
+    """The prefix-cache hash of every full block, on whichever path is active."""
+    from enginecore import _native
+
+    ext = _native.extension()
+    if ext is not None and hasattr(ext, "block_hashes"):
+        check_algo(algo)
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if parent is not None and len(parent) != 32:
+            raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
+        return ext.block_hashes(token_ids, block_size, parent, encode_extra_keys(extra_keys))
+    return block_hashes_py(
+        token_ids, block_size, parent=parent, extra_keys=extra_keys, algo=algo
+    )

@@ -1,0 +1,76 @@
+"""What the scheduler hands the executor each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from enginecore.protocol import LoRARequest
+from enginecore.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after a preemption).
+
+    ``token_ids`` are all known tokens (prompt, then outputs so far when the
+    request resumes from preemption); ``num_prompt_tokens`` splits them.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds: parallel lists, one entry per request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Blocks added this step (None when none were).
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (prefill chunk, 1 for decode, 1+drafts).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    # Finished since the last step: the runner drops their state.
+    finished_req_ids: set[str]
+    # Preempted this step: the runner drops their state; they come back as new.
+    preempted_req_ids: set[str]
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens per scheduled request, in ``req_ids`` order.
+
+    A request in the middle of a chunked prefill gets an empty list.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    # Per request: (token_ids rows, logprob rows, sampled ranks) or None.
+    logprobs: list[tuple[list[list[int]], list[list[float]], list[int]] | None] | None = None
+    num_nans_in_logits: dict[str, int] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])

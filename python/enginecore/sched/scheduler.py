@@ -1,0 +1,488 @@
+"""The scheduler: one token budget per step over running and waiting requests.
+
+vLLM v1 semantics: running requests first (decodes and unfinished prefill
+chunks), then waiting ones while budget, ``max_num_seqs`` and KV blocks allow;
+chunked prefill; prefix-cache hits; preemption by recompute when blocks run
+out; FCFS or priority order; stop checks in ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Iterable
+
+from enginecore.config import EngineConfig
+from enginecore.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    IterationDetails,
+    Logprobs,
+    SchedulerStats,
+)
+from enginecore.request import Request, RequestStatus
+from enginecore.sched.kv_cache_manager import KVCacheManager
+from enginecore.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from enginecore.sched.request_queue import SchedulingPolicy, create_request_queue
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class PauseState(enum.IntEnum):
+    UNPAUSED = 0
+    PAUSED_NEW = 1  # running requests go on; waiting ones are not admitted
+    PAUSED_ALL = 2  # nothing is scheduled; requests keep their place
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        *,
+        log_stats: bool = False,
+        track_in_flight: bool = False,
+    ) -> None:
+        sc = config.scheduler_config
+        self.config = config
+        self.max_num_running_reqs = sc.max_num_seqs
+        self.max_num_scheduled_tokens = sc.max_num_batched_tokens
+        self.max_model_len = sc.max_model_len
+        self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.long_prefill_token_threshold = sc.long_prefill_token_threshold
+        self.policy = SchedulingPolicy(sc.scheduling_policy)
+        self.block_size = config.cache_config.block_size
+        self.log_stats = log_stats
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            self.block_size,
+            self.max_model_len,
+            enable_caching=config.cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner frees their state.
+        self.finished_req_ids: set[str] = set()
+        # Preempted since the last schedule(): the runner drops their state.
+        self.preempted_req_ids: set[str] = set()
+        # Outputs owed to clients outside a model step (aborts, rejections).
+        self.pending_outputs: dict[int, list[EngineCoreOutput]] = {}
+        # With a batch queue, a request sits in at most one in-flight batch.
+        self.track_in_flight = track_in_flight
+        self.in_flight: set[str] = set()
+        self.pause_state = PauseState.UNPAUSED
+        self.step_counter = 0
+        self.num_preempted_total = 0
+        self.last_iteration: IterationDetails | None = None
+
+    # -- requests in ---------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def reject_request(self, request: Request, reason: str) -> None:
+        """Answer a request that cannot run with finish reason ERROR and ``reason``."""
+        self.owe_output(
+            request.client_index,
+            EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                             stop_reason=reason),
+        )
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finish live requests from outside the model step (abort). Unknown or
+        already finished ids are ignored. Aborted requests are answered with
+        finish reason ABORT on the next step's outputs."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished: list[Request] = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            finished.append(request)
+        if not finished:
+            return finished
+        running = {id(r) for r in finished if r.status == _RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        waiting = [r for r in finished if r.status != _RUNNING]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        reason = RequestStatus.finish_reason(status)
+        for request in finished:
+            request.status = status
+            self._free_request(request)
+            self.owe_output(request.client_index,
+                      EngineCoreOutput(request.request_id, [], finish_reason=reason))
+        return finished
+
+    def owe_output(self, client_index: int, output: EngineCoreOutput) -> None:
+        self.pending_outputs.setdefault(client_index, []).append(output)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+
+    # -- state -----------------------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        """Anything to do or to report: live requests, owed outputs, or
+        finished ids the runner has not been told about yet."""
+        return bool(self.requests or self.pending_outputs or self.finished_req_ids)
+
+    def has_schedulable_work(self) -> bool:
+        """Whether a step could make progress now (False while paused-all)."""
+        if self.pending_outputs or self.finished_req_ids:
+            return True
+        if self.pause_state == PauseState.PAUSED_ALL:
+            return False
+        if self.running:
+            return True
+        return bool(self.waiting) and self.pause_state == PauseState.UNPAUSED
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def set_pause_state(self, state: PauseState) -> None:
+        if state != self.pause_state:
+            logger.info("scheduler pause state %s -> %s", self.pause_state.name, state.name)
+        self.pause_state = state
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if not ok:
+            logger.warning("prefix cache not reset: %d requests still hold blocks",
+                           len(self.kv_cache_manager.req_to_blocks))
+        return ok
+
+    # -- schedule ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_scheduled_tokens
+        threshold = self.long_prefill_token_threshold
+        max_len_1 = self.max_model_len - 1
+        in_flight = self.in_flight
+        num_scheduled_tokens: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        running_new_blocks: list[list[int] | None] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+        pause = self.pause_state
+
+        if pause != PauseState.PAUSED_ALL:
+            running = self.running
+            req_index = 0
+            while req_index < len(running) and token_budget > 0:
+                request = running[req_index]
+                rid = request.request_id
+                if rid in in_flight:
+                    req_index += 1
+                    continue
+                computed = request.num_computed_tokens
+                num_new = len(request.all_token_ids) + len(request.spec_token_ids) - computed
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > token_budget:
+                    num_new = token_budget
+                if num_new > max_len_1 - computed:
+                    num_new = max_len_1 - computed
+                if num_new <= 0:
+                    req_index += 1
+                    continue
+                while True:
+                    new_blocks = kv.allocate_slots(request, num_new)
+                    if new_blocks is not None:
+                        break
+                    victim = self._pick_victim()
+                    if victim is None:
+                        break
+                    victim_index = running.index(victim)
+                    running.pop(victim_index)
+                    if victim_index < req_index:
+                        req_index -= 1
+                        # Already scheduled this step: give its budget back.
+                        undo = scheduled_running.index(victim)
+                        scheduled_running.pop(undo)
+                        running_new_blocks.pop(undo)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        spec_tokens.pop(victim.request_id, None)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if new_blocks is None:
+                    break
+                scheduled_running.append(request)
+                running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
+                num_scheduled_tokens[rid] = num_new
+                token_budget -= num_new
+                if request.spec_token_ids:
+                    n_spec = computed + num_new - len(request.all_token_ids)
+                    if n_spec > 0:
+                        spec_tokens[rid] = request.spec_token_ids[:n_spec]
+                    request.spec_token_ids = []
+                req_index += 1
+
+        if not preempted and pause == PauseState.UNPAUSED:
+            waiting = self.waiting
+            while waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+                request = waiting.peek_request()
+                computed_blocks, num_computed = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_computed
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > token_budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = token_budget
+                new_blocks = kv.allocate_slots(request, num_new, num_computed, computed_blocks)
+                if new_blocks is None:
+                    break
+                waiting.pop_request()
+                self.running.append(request)
+                request.status = _RUNNING
+                request.num_computed_tokens = num_computed
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new
+                token_budget -= num_new
+
+        new_reqs_data = [
+            NewRequestData(
+                req_id=r.request_id,
+                token_ids=list(r.all_token_ids),
+                num_prompt_tokens=len(r.prompt_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                lora_request=r.lora_request,
+            )
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in scheduled_running],
+            new_block_ids=running_new_blocks,
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+        )
+        total = self.max_num_scheduled_tokens - token_budget
+        self.step_counter += 1
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+            step_id=self.step_counter,
+        )
+        self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        # The scheduled tokens count as computed from now on (the runner computes them).
+        for r in scheduled_running:
+            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+        if self.track_in_flight:
+            in_flight.update(num_scheduled_tokens)
+        if self.log_stats:
+            self.last_iteration = self._iteration_details(output, scheduled_new, len(preempted))
+        return output
+
+    def preempt_all(self) -> int:
+        """Preempt every running request (their KV cache is about to go away)."""
+        victims = [r for r in self.running if r.request_id not in self.in_flight]
+        for request in reversed(victims):
+            self.running.remove(request)
+            self._preempt(request)
+        return len(victims)
+
+    def _pick_victim(self) -> Request | None:
+        """The running request to preempt: the last admitted (FCFS) or the
+        lowest priority, latest arrival (priority). In-flight ones are spared."""
+        in_flight = self.in_flight
+        candidates = [r for r in self.running if r.request_id not in in_flight]
+        if not candidates:
+            return None
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.preempted_req_ids.add(request.request_id)
+        self.num_preempted_total += 1
+        self.waiting.prepend_request(request)
+
+    def _iteration_details(
+        self, output: SchedulerOutput, scheduled_new: list[Request], num_preempted: int
+    ) -> IterationDetails:
+        details = IterationDetails(num_preempted=num_preempted)
+        for rid, n in output.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            # Decode: the step computes the one token sampled last step (plus drafts).
+            if request.num_computed_tokens - n >= request.num_prompt_tokens:
+                details.num_decode_reqs += 1
+                details.num_decode_tokens += n
+            else:
+                details.num_prefill_reqs += 1
+                details.num_prefill_tokens += n
+        return details
+
+    # -- results -----------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Append sampled tokens, apply stop checks, free finished requests and
+        build the outputs for each client."""
+        requests = self.requests
+        sampled = model_output.sampled_token_ids
+        index_of = model_output.req_id_to_index
+        logprobs = model_output.logprobs
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        in_flight = self.in_flight if self.track_in_flight else None
+        outputs: dict[int, list[EngineCoreOutput]] = self.pending_outputs
+        self.pending_outputs = {}
+        stopped: list[Request] = []
+
+        for rid in scheduler_output.num_scheduled_tokens:
+            if in_flight is not None:
+                in_flight.discard(rid)
+            request = requests.get(rid)
+            if request is None or request.status != _RUNNING:
+                continue  # aborted or preempted while its batch ran
+            i = index_of.get(rid)
+            new_token_ids = sampled[i] if i is not None else []
+            drafts = spec.get(rid)
+            if drafts:
+                # Rejected drafts were counted as computed: take them back.
+                request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+            if not new_token_ids:
+                continue
+            stop = False
+            if len(new_token_ids) == 1:
+                request.append_output_token_ids(new_token_ids)
+                stop = self._check_stop(request)
+            else:
+                kept = 0
+                for tok in new_token_ids:
+                    request.append_output_token_ids([tok])
+                    kept += 1
+                    if self._check_stop(request):
+                        stop = True
+                        break
+                if kept < len(new_token_ids):
+                    new_token_ids = new_token_ids[:kept]
+            new_logprobs = None
+            if logprobs is not None and (lp := logprobs[i]) is not None:  # type: ignore[index]
+                n = len(new_token_ids)
+                new_logprobs = Logprobs(lp[0][:n], lp[1][:n], lp[2][:n])
+            if stop:
+                stopped.append(request)
+                out = EngineCoreOutput(
+                    rid, new_token_ids, new_logprobs,
+                    RequestStatus.finish_reason(request.status), request.stop_reason,
+                    max(request.num_cached_tokens, 0),
+                )
+            else:
+                out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
+            client_outputs = outputs.get(request.client_index)
+            if client_outputs is None:
+                outputs[request.client_index] = [out]
+            else:
+                client_outputs.append(out)
+
+        if stopped:
+            gone = {id(r) for r in stopped}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for request in stopped:
+                self._free_request(request)
+
+        result = {
+            client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()
+        }
+        if self.log_stats:
+            stats = self.make_stats()
+            first = result.get(0) or next(iter(result.values()), None)
+            if first is None:
+                first = result[0] = EngineCoreOutputs()
+            first.scheduler_stats = stats
+        return result
+
+    def take_pending_outputs(self) -> dict[int, EngineCoreOutputs]:
+        """Outputs owed outside a model step (aborts, rejections)."""
+        pending, self.pending_outputs = self.pending_outputs, {}
+        return {client: EngineCoreOutputs(outputs=outs) for client, outs in pending.items()}
+
+    def _check_stop(self, request: Request) -> bool:
+        n_out = len(request.output_token_ids)
+        if len(request.all_token_ids) >= self.max_model_len or n_out >= request.max_tokens:
+            request.status = _LENGTH
+            return True
+        if n_out < request.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if last == request.eos_token_id and not request.ignore_eos:
+            request.status = _STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = _STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            step_counter=self.step_counter,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preempted_total=self.num_preempted_total,
+            iteration=self.last_iteration,
+        )
+
+    def log_state(self) -> None:
+        """Dump what the scheduler holds (called when the executor fails)."""
+        logger.error(
+            "scheduler state: %d running %s, %d waiting, kv usage %.1f%%, step %d, pause %s",
+            len(self.running),
+            [(r.request_id, r.num_computed_tokens, r.num_tokens) for r in self.running[:16]],
+            len(self.waiting),
+            100 * self.kv_cache_manager.usage,
+            self.step_counter,
+            self.pause_state.name,
+        )
