@@ -1,0 +1,171 @@
+"""UniProcExecutor: the model runner in the engine's own process (the default)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
+from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_FRACTION = 0.25
+DEFAULT_CPU_KV_CAP = 4 << 30
+
+
+def mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class UniProcExecutor(Executor):
+    RPC_METHODS = frozenset({"echo", "device_info"})
+
+    def _init_executor(self) -> None:
+        from enginecore.model.model_runner import ModelRunner
+
+        self.runner = ModelRunner(self.config)
+        self.runner.load_model()
+        self._kv_config: KVCacheConfig | None = None
+
+    def get_kv_cache_specs(self) -> KVCacheSpec:
+        a = self.runner.arch
+        return KVCacheSpec(self.config.cache_config.block_size, a.num_layers, a.num_kv_heads,
+                           a.head_dim, torch.finfo(self.runner.dtype).bits // 8)
+
+    def determine_available_memory(self) -> int:
+        cc = self.config.cache_config
+        if cc.kv_cache_memory_bytes is not None:
+            return cc.kv_cache_memory_bytes
+        device = self.runner.device
+        if device.type == "cuda":
+            return self._profile_cuda_memory()
+        avail = mem_available_bytes()
+        budget = min(int(avail * DEFAULT_CPU_KV_FRACTION), DEFAULT_CPU_KV_CAP)
+        logger.info("CPU KV cache budget: %.2f GiB (%.0f%% of %.1f GiB available, capped at "
+                    "%.0f GiB; set kv_cache_memory_bytes to change)", budget / 2**30,
+                    100 * DEFAULT_CPU_KV_FRACTION, avail / 2**30, DEFAULT_CPU_KV_CAP / 2**30)
+        return budget
+
+    def _profile_cuda_memory(self) -> int:
+        """Run a forward pass at max batch, then give the KV cache what is left
+        of gpu_memory_utilization."""
+        cc = self.config.cache_config
+        device = self.runner.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        # A temporary one-block cache lets the profile run the real attention path.
+        self.runner.allocate_kv_cache(1)
+        n = self.config.scheduler_config.max_num_batched_tokens
+        self.runner.dummy_forward(n)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        self.runner.free_kv_cache()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free - torch.cuda.memory_reserved(device)
+        budget = int(total * cc.gpu_memory_utilization) - peak - max(used_by_others, 0)
+        logger.info("CUDA memory: total %.2f GiB, peak during profile %.2f GiB, KV budget %.2f GiB",
+                    total / 2**30, peak / 2**30, budget / 2**30)
+        return max(budget, 0)
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self._kv_config = kv_cache_config
+        self.runner.allocate_kv_cache(kv_cache_config.num_blocks)
+        self.runner.dummy_forward(self.config.cache_config.block_size)  # warm-up
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        try:
+            output = self.runner.execute_model(scheduler_output)
+        except BaseException:
+            self._mark_failed()
+            raise
+        return completed_future(output) if non_block else output
+
+    def execute_dummy_batch(self) -> None:
+        self.runner.dummy_forward(1)
+
+    # -- sleep mode ---------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        super().sleep(level)
+        self.runner.free_kv_cache()
+        if level == 2:
+            self.runner.unload_model()
+        gc.collect()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = list(tags) if tags else ["weights", "kv_cache"]
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
+        if "weights" in tags and self.runner.model is None:
+            self.runner.load_model()
+        if "kv_cache" in tags and not self.runner.kv_caches and self._kv_config is not None:
+            self.runner.allocate_kv_cache(self._kv_config.num_blocks)
+        if self.runner.model is not None and self.runner.kv_caches:
+            self._sleeping_level = 0
+
+    # -- misc ---------------------------------------------------------------------------------
+    def _rpc_echo(self, value: Any = None) -> Any:
+        return value
+
+    def _rpc_device_info(self) -> dict[str, Any]:
+        return {"device": str(self.runner.device), "dtype": str(self.runner.dtype),
+                "torch_threads": torch.get_num_threads()}
+
+    def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        """Weights as safetensors shards (``pattern`` like 'model-{:05d}.safetensors'),
+        with config.json and tokenizer files, loadable as an HF directory."""
+        from safetensors.torch import save_file
+
+        if self.runner.model is None:
+            raise RuntimeError("weights are released (sleep level 2); wake_up first")
+        os.makedirs(path, exist_ok=True)
+        pattern = pattern or "model-{:05d}.safetensors"
+        max_size = max_size or (5 << 30)
+        state = self.runner.model.state_dict_hf()
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_size:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t.detach().cpu().contiguous()
+            size += nbytes
+        for i, shard in enumerate(shards):
+            save_file(shard, os.path.join(path, pattern.format(i)))
+        src = self.runner.model_path
+        for fname in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            if os.path.exists(os.path.join(src, fname)):
+                shutil.copy(os.path.join(src, fname), os.path.join(path, fname))
+        if self.runner.model.lm_head is self.runner.model.embed:
+            with open(os.path.join(path, "config.json")) as f:
+                cfg = json.load(f)
+            cfg["tie_word_embeddings"] = True
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(cfg, f, indent=1)
+        logger.info("saved %d weight shards to %s", len(shards), path)
+
+    def shutdown(self) -> None:
+        self.runner.free_kv_cache()

@@ -1,0 +1,165 @@
+"""Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral) over a
+flattened batch and a paged KV cache.
+
+Weights are held fused per layer (q|k|v and gate|up) so a step issues few
+large matmuls; ``state_dict_hf`` gives them back under HF names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from enginecore.model.arch_config import LlamaArchConfig
+from enginecore.model.attention import AttentionMetadata, paged_attention
+from enginecore.model.rope import apply_rope, rope_cos_sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers does: normalise in float32, scale in the model dtype.
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class LlamaLayer:
+    __slots__ = ("input_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w")
+
+    def __init__(self) -> None:
+        self.qkv_b: torch.Tensor | None = None
+
+
+class LlamaForCausalLM:
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.layers: list[LlamaLayer] = []
+        self.embed: torch.Tensor | None = None
+        self.norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.max_positions = max(cfg.max_position_embeddings, 1)
+        cos, sin = rope_cos_sin(cfg, self.max_positions)
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
+
+    # -- weights ---------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...)."""
+        cfg = self.cfg
+        n = cfg.num_layers
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+        for name, tensor in weights:
+            t = tensor.to(device=self.device, dtype=self.dtype)
+            if name == "model.embed_tokens.weight":
+                self.embed = t
+            elif name == "model.norm.weight":
+                self.norm = t
+            elif name == "lm_head.weight":
+                self.lm_head = t
+            elif name.startswith("model.layers."):
+                idx_s, rest = name[len("model.layers."):].split(".", 1)
+                idx = int(idx_s)
+                if idx >= n:
+                    raise ValueError(f"weight {name} is beyond num_hidden_layers={n}")
+                parts[idx][rest] = t
+            elif name.endswith("rotary_emb.inv_freq"):
+                continue
+            else:
+                raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
+        if self.embed is None or self.norm is None:
+            raise ValueError("checkpoint lacks model.embed_tokens.weight or model.norm.weight")
+        if self.lm_head is None:
+            if not cfg.tie_word_embeddings:
+                raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
+            self.lm_head = self.embed
+        self.layers = [self._build_layer(i, p) for i, p in enumerate(parts)]
+
+    def _build_layer(self, i: int, p: dict[str, torch.Tensor]) -> LlamaLayer:
+        def take(key: str) -> torch.Tensor:
+            try:
+                return p.pop(key)
+            except KeyError:
+                raise ValueError(f"checkpoint lacks model.layers.{i}.{key}") from None
+
+        layer = LlamaLayer()
+        layer.input_norm = take("input_layernorm.weight")
+        layer.post_norm = take("post_attention_layernorm.weight")
+        layer.qkv_w = torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
+                                 take("self_attn.v_proj.weight")]).contiguous()
+        if self.cfg.qkv_bias:
+            layer.qkv_b = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
+                                     take("self_attn.v_proj.bias")]).contiguous()
+        layer.o_w = take("self_attn.o_proj.weight")
+        layer.gate_up_w = torch.cat([take("mlp.gate_proj.weight"),
+                                     take("mlp.up_proj.weight")]).contiguous()
+        layer.down_w = take("mlp.down_proj.weight")
+        if p:
+            raise ValueError(f"unexpected weights in layer {i}: {sorted(p)}")
+        return layer
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """The weights under HF names (unfused), for saving."""
+        out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed,
+                                        "model.norm.weight": self.norm}
+        if self.lm_head is not self.embed:
+            out["lm_head.weight"] = self.lm_head
+        q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
+        for i, L in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            wq, wk, wv = L.qkv_w.split([q, kv, kv])
+            out |= {pre + "self_attn.q_proj.weight": wq, pre + "self_attn.k_proj.weight": wk,
+                    pre + "self_attn.v_proj.weight": wv, pre + "self_attn.o_proj.weight": L.o_w,
+                    pre + "input_layernorm.weight": L.input_norm,
+                    pre + "post_attention_layernorm.weight": L.post_norm,
+                    pre + "mlp.down_proj.weight": L.down_w}
+            if L.qkv_b is not None:
+                bq, bk, bv = L.qkv_b.split([q, kv, kv])
+                out |= {pre + "self_attn.q_proj.bias": bq, pre + "self_attn.k_proj.bias": bk,
+                        pre + "self_attn.v_proj.bias": bv}
+            g, u = L.gate_up_w.split([inter, inter])
+            out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u}
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_dict_hf().values())
+
+    # -- forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.q_size, self.kv_size
+        eps = cfg.rms_norm_eps
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        h = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(T, H, D), cos, sin)
+            k = apply_rope(k.view(T, Hkv, D), cos, sin)
+            attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn, layer.o_w)
+            x = rms_norm(h, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down_w)
+        return rms_norm(h, self.norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

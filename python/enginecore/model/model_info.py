@@ -1,0 +1,115 @@
+"""Resolve ``EngineArgs.model`` to files on disk and read the facts the engine needs."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from enginecore.config import ModelConfig
+from enginecore.model.arch_config import load_arch_config
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str | None, progress: bool = True) -> tuple[str, str]:
+    """(display name, HF directory). None = the default model. Never reaches a hub."""
+    from enginecore.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+    from enginecore.model.gguf_loader import ensure_converted
+
+    if model is None:
+        return DEFAULT_MODEL_NAME, ensure_converted(default_gguf_path(progress=progress),
+                                                    progress=progress)
+    path = os.path.expanduser(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return model, ensure_converted(path, progress=progress)
+    if os.path.isdir(path):
+        return model, path
+    raise FileNotFoundError(
+        f"model {model!r} not found: pass an HF-format directory (config.json, *.safetensors, "
+        "tokenizer.json) or a .gguf file; enginecore never downloads from a model hub"
+    )
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unsupported device {device!r}; supported: auto, cpu, cuda[:N]")
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
+           "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, float32, bfloat16, float16")
+    resolved = _DTYPES[dtype]
+    if resolved == "float16" and device == "cpu":
+        raise ValueError("float16 is not supported on CPU; use bfloat16 or float32")
+    return resolved
+
+
+def resolve_model_config(
+    model: str | None, *, dtype: str, device: str, seed: int, max_model_len: int | None
+) -> ModelConfig:
+    name, path = resolve_model_path(model)
+    arch = load_arch_config(path)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    limit = arch.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's context ({limit} positions)"
+        )
+    if arch.sliding_window and arch.sliding_window < max_model_len:
+        logger.warning("sliding-window attention is not implemented: capping max_model_len "
+                       "at the window, %d", arch.sliding_window)
+        max_model_len = arch.sliding_window
+    eos = _tokenizer_eos(path)
+    if eos is None:
+        eos = arch.eos_token_id
+    return ModelConfig(
+        model=name,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        max_model_len=max_model_len,
+        vocab_size=arch.vocab_size,
+        eos_token_id=eos,
+        bos_token_id=arch.bos_token_id,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        architecture=arch.architecture,
+        model_path=path,
+    )
+
+
+def _tokenizer_eos(path: str) -> int | None:
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return None
+    from enginecore.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(path).eos_token_id

@@ -1,0 +1,226 @@
+"""ModelRunner: keeps per-request state, turns a SchedulerOutput into one
+flattened forward pass over the paged KV cache, and samples."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from enginecore.config import EngineConfig
+from enginecore.model.arch_config import LlamaArchConfig, load_arch_config
+from enginecore.model.attention import AttentionMetadata, PrefillPiece
+from enginecore.model.hf_loader import iterate_weights
+from enginecore.model.llama import LlamaForCausalLM
+from enginecore.model.sampler import Sampler, SamplingRow
+from enginecore.sampling_params import SamplingParams
+from enginecore.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestState:
+    __slots__ = ("req_id", "token_ids", "num_prompt", "params", "block_ids")
+
+    def __init__(self, req_id, token_ids, num_prompt, params, block_ids) -> None:
+        self.req_id = req_id
+        self.token_ids: list[int] = token_ids
+        self.num_prompt: int = num_prompt
+        self.params: SamplingParams = params
+        self.block_ids: list[int] = block_ids
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model_config
+        self.config = config
+        self.device = torch.device(mc.device)
+        self.dtype = _TORCH_DTYPES[mc.dtype]
+        self.block_size = config.cache_config.block_size
+        self.eos_token_id = mc.eos_token_id
+        assert mc.model_path is not None
+        self.model_path = mc.model_path
+        self.arch: LlamaArchConfig = load_arch_config(mc.model_path)
+        self.model: LlamaForCausalLM | None = None
+        self.sampler = Sampler(self.arch.vocab_size)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.scratch_slot = 0
+        self.scratch_block = 0
+        self.requests: dict[str, RequestState] = {}
+        torch.manual_seed(mc.seed)
+
+    # -- weights and cache -------------------------------------------------------------------
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        model = LlamaForCausalLM(self.arch, self.dtype, self.device)
+        model.load_weights(iterate_weights(self.model_path))
+        self.model = model
+        logger.info("loaded %s (%s, %d layers, %.1f MiB, %s on %s) in %.2f s",
+                    self.arch.architecture, self.model_path, self.arch.num_layers,
+                    model.weight_bytes() / 2**20, self.dtype, self.device,
+                    time.perf_counter() - t0)
+
+    def unload_model(self) -> None:
+        self.model = None
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One K and one V tensor per layer, [slots, kv_heads, head_dim]; one extra
+        block at the end is scratch for dummy batches and padding.
+
+        The cache is left uninitialised (zeroing GiBs costs seconds at start-up):
+        attention only reads slots a request wrote, and padded reads point at
+        the scratch block, which is zeroed."""
+        a = self.arch
+        slots = (num_blocks + 1) * self.block_size
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_blocks * self.block_size
+        shape = (slots, a.num_kv_heads, a.head_dim)
+        self.kv_caches = []
+        for _ in range(a.num_layers):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k[self.scratch_slot:].zero_()
+            v[self.scratch_slot:].zero_()
+            self.kv_caches.append((k, v))
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = []
+
+    # -- one step --------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        reqs = self.requests
+        for rid in so.finished_req_ids:
+            reqs.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            reqs.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            reqs[new.req_id] = RequestState(new.req_id, list(new.token_ids),
+                                            new.num_prompt_tokens, new.sampling_params,
+                                            list(new.block_ids))
+        cached = so.scheduled_cached_reqs
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
+            if blocks:
+                reqs[rid].block_ids.extend(blocks)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("the model runner is asleep (weights or KV cache released)")
+        computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        input_ids, positions, meta, sample_idx, sample_states = self._prepare(so, computed)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs = None
+        if sample_idx:
+            idx = torch.tensor([i for i, _ in sample_idx], dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
+            rows = [
+                SamplingRow(st.params, st.token_ids[: st.num_prompt], st.token_ids[st.num_prompt:],
+                            len(st.token_ids), self.eos_token_id)
+                for st in sample_states
+            ]
+            out = self.sampler(logits, rows)
+            if any(lp is not None for lp in out.logprobs):
+                logprobs = [None] * len(req_ids)
+            for (_, row), st, tok, lp in zip(sample_idx, sample_states, out.token_ids,
+                                             out.logprobs):
+                st.token_ids.append(tok)
+                sampled[row] = [tok]
+                if logprobs is not None and lp is not None:
+                    logprobs[row] = ([lp[0]], [lp[1]], [lp[2]])
+        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, logprobs)
+
+    def _prepare(self, so: SchedulerOutput, computed: dict[str, int]):
+        bs = self.block_size
+        reqs = self.requests
+        G = self.arch.num_heads // self.arch.num_kv_heads
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_states: list[RequestState] = []
+        decode_ctx: list[int] = []
+        prefills: list[PrefillPiece] = []
+        sample_idx: list[tuple[int, int]] = []  # (flat token index, request row)
+        sample_states: list[RequestState] = []
+        for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
+            st = reqs[rid]
+            c = computed[rid]
+            start = len(input_ids)
+            if n == 1:
+                input_ids.append(st.token_ids[c])
+                positions.append(c)
+                slots.append(st.block_ids[c // bs] * bs + c % bs)
+                decode_rows.append(start)
+                decode_states.append(st)
+                decode_ctx.append(c + 1)
+            else:
+                input_ids.extend(st.token_ids[c : c + n])
+                pos = np.arange(c + n)
+                blocks = np.asarray(st.block_ids, dtype=np.int64)
+                ctx_slots = blocks[pos // bs] * bs + pos % bs
+                positions.extend(range(c, c + n))
+                slots.extend(ctx_slots[c:].tolist())
+                q_pos = np.arange(c, c + n)
+                mask = torch.from_numpy(pos[None, :] <= q_pos[:, None])
+                prefills.append(PrefillPiece(
+                    start, start + n, torch.from_numpy(ctx_slots).to(self.device),
+                    mask.repeat(G, 1).to(self.device)))
+            if c + n >= len(st.token_ids):
+                sample_idx.append((start + n - 1, row))
+                sample_states.append(st)
+        dev = self.device
+        T = len(input_ids)
+        decode_token_idx = decode_slots = decode_mask = None
+        if decode_rows:
+            Bd = len(decode_rows)
+            L = max(decode_ctx)
+            nb = -(-L // bs)
+            table = np.full((Bd, nb), self.scratch_block, dtype=np.int64)
+            for i, st in enumerate(decode_states):
+                blocks = st.block_ids[:nb]
+                table[i, : len(blocks)] = blocks
+            ar = np.arange(L)
+            dslots = table[:, ar // bs] * bs + ar % bs
+            ctx = np.asarray(decode_ctx)
+            decode_slots = torch.from_numpy(np.ascontiguousarray(dslots)).to(dev)
+            decode_mask = torch.from_numpy(ar[None, :] < ctx[:, None]).view(Bd, 1, 1, L).to(dev)
+            decode_token_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_tokens=T,
+            decode_token_idx=decode_token_idx,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            all_decode=len(decode_rows) == T,
+            prefills=prefills,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                meta, sample_idx, sample_states)
+
+    @torch.inference_mode()
+    def dummy_forward(self, num_tokens: int = 1) -> None:
+        """A forward pass that touches no request's cache (writes the scratch block)."""
+        if self.model is None or not self.kv_caches:
+            return
+        n = max(1, min(num_tokens, self.block_size))
+        G = self.arch.num_heads // self.arch.num_kv_heads
+        slots = torch.arange(self.scratch_slot, self.scratch_slot + n, device=self.device)
+        mask = torch.ones(n, n, dtype=torch.bool).tril().repeat(G, 1).to(self.device)
+        meta = AttentionMetadata(slots, n, None, None, None, False,
+                                 [PrefillPiece(0, n, slots, mask)])
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.model.forward(ids, torch.arange(n, device=self.device), meta, self.kv_caches)

@@ -1,0 +1,170 @@
+"""Token sampling for one step: penalties, greedy / temperature, top-k, top-p,
+min-p, per-request seeds, and top-N logprobs.
+
+Seeded requests draw from a generator seeded by (seed, position), so a seed
+gives the same tokens whatever the batch around it, and after a preemption.
+Logprobs are of the raw model distribution (log_softmax of the logits, before
+penalties and temperature), as in vLLM's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from enginecore.sampling_params import SamplingParams
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    position: int  # index the sampled token will have in the sequence
+    eos_token_id: int | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (token ids rows, logprob rows, ranks) for one sampled position, or None.
+    logprobs: list[tuple[list[int], list[float], int] | None]
+
+
+def _position_seed(seed: int, position: int) -> int:
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
+    z ^= z >> 31
+    return z & _MASK64
+
+
+class Sampler:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [N, V] float32, one row per request that samples this step."""
+        raw = logits
+        logits = self._apply_penalties(logits, rows)
+        logits = self._apply_min_tokens(logits, rows)
+        greedy_tokens = logits.argmax(dim=-1)
+        random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        tokens = greedy_tokens
+        if random_idx:
+            tokens = greedy_tokens.clone()
+            idx = torch.tensor(random_idx, dtype=torch.long)
+            sampled = self._sample_random(logits.index_select(0, idx), [rows[i] for i in random_idx])
+            tokens.index_copy_(0, idx, sampled)
+        token_list = tokens.tolist()
+        logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if want:
+            self._logprobs(raw, tokens, rows, want, logprobs)
+        return SamplerOutput(token_list, logprobs)
+
+    # -- logits processing ---------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        which = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if not which:
+            return logits
+        logits = logits.clone()
+        V = logits.shape[1]
+        for i in which:
+            p = rows[i].params
+            out_ids = torch.tensor(rows[i].output_ids, dtype=torch.long)
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(V, dtype=torch.bool)
+                seen[torch.tensor(rows[i].prompt_ids, dtype=torch.long)] = True
+                if out_ids.numel():
+                    seen[out_ids] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty,
+                                        row * p.repetition_penalty)
+                row = torch.where(seen, penalized, row)
+            if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(out_ids, minlength=V)[:V].to(row.dtype)
+                row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+            logits[i] = row
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Before min_tokens, EOS (unless ignored) and stop tokens cannot be sampled."""
+        cloned = False
+        for i, r in enumerate(rows):
+            p = r.params
+            if len(r.output_ids) >= p.min_tokens:
+                continue
+            banned = list(p.stop_token_ids)
+            if r.eos_token_id is not None and not p.ignore_eos:
+                banned.append(r.eos_token_id)
+            banned = [t for t in banned if t < logits.shape[1]]
+            if banned:
+                if not cloned:
+                    logits, cloned = logits.clone(), True
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        V = logits.shape[1]
+        if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = self._top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        if any(m > 0 for m in min_p):
+            mp = torch.tensor(min_p, dtype=probs.dtype)
+            keep = probs >= probs.max(dim=-1, keepdim=True).values * mp[:, None]
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        q = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), V, dtype=probs.dtype).exponential_()
+        gen = None
+        for i, r in enumerate(rows):
+            if r.params.seed is None:
+                continue
+            if gen is None:
+                gen = torch.Generator()
+            gen.manual_seed(_position_seed(r.params.seed, r.position))
+            q[i].exponential_(generator=gen)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        V = logits.shape[1]
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        k = torch.tensor([kk if 0 < kk < V else V for kk in top_k], dtype=torch.long)
+        # Ascending sort: keep the last k columns.
+        kth = sorted_logits.gather(1, (V - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        p = torch.tensor(top_p, dtype=logits.dtype)
+        probs = sorted_logits.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        drop = cum <= (1 - p)[:, None]
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    # -- logprobs ------------------------------------------------------------------------
+    @staticmethod
+    def _logprobs(raw, tokens, rows, want, out) -> None:
+        idx = torch.tensor(want, dtype=torch.long)
+        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
+        sampled = tokens.index_select(0, idx)
+        sampled_lp = lp.gather(1, sampled[:, None])[:, 0]
+        ranks = (lp > sampled_lp[:, None]).sum(dim=-1) + 1
+        max_n = max(rows[i].params.logprobs for i in want)
+        top_lp, top_ids = (lp.topk(max_n, dim=-1) if max_n > 0 else
+                           (lp[:, :0], torch.empty(len(want), 0, dtype=torch.long)))
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs
+            ids = [int(sampled[j])] + top_ids[j, :n].tolist()
+            vals = [float(sampled_lp[j])] + top_lp[j, :n].tolist()
+            out[i] = (ids, vals, int(ranks[j]))

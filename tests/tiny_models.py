@@ -1,0 +1,76 @@
+"""Tiny random-weight HF models made on the fly (transformers is the reference)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(overrides)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        # Make the q/k/v biases matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights: sharper logits, fewer near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens from transformers, full recompute each step (no cache tricks)."""
+    key = (os.path.abspath(model_dir), tuple(prompt), max_tokens)
+    if key not in _greedy:
+        _greedy[key] = _hf_greedy(model_dir, prompt, max_tokens)
+    return list(_greedy[key])
+
+
+_greedy: dict[tuple, list[int]] = {}
+
+
+def _hf_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    model = _load(model_dir)
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            tok = int(logits.argmax())
+            out.append(tok)
+            ids.append(tok)
+    return out
+
+
+def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return _load(model_dir)(torch.tensor([ids])).logits[0].float()
+
+
+_cache: dict[str, object] = {}
+
+
+def _load(model_dir: str):
+    import transformers
+
+    key = os.path.abspath(model_dir)
+    if key not in _cache:
+        _cache[key] = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).eval()
+    return _cache[key]
