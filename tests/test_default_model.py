@@ -86,3 +86,13 @@ def test_cli_generate_streams_the_answer():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stderr
+
+
+def test_llm_in_process_option():
+    with LLM(multiprocess_mode=False, dtype="float32", max_model_len=512,
+             kv_cache_memory_bytes=32 << 20) as llm:
+        from enginecore.client import InprocClient
+
+        assert isinstance(llm.client, InprocClient)
+        (out,) = llm.chat(QUESTION, SamplingParams(max_tokens=16, temperature=0))
+        assert out.outputs[0].token_ids == GOLDEN

@@ -154,3 +154,55 @@ class EngineCoreOutputs(
 
 # Sent by the engine as the whole payload when it dies, on every output socket.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+# -- start-up handshake (engine DEALER <-> front-end ROUTER) -----------------------------
+
+
+class HandshakeHello(msgspec.Struct, tag="HELLO"):
+    """Engine -> front-end: the process is up and asks for its addresses."""
+
+    engine_index: int
+    pid: int
+
+
+class HandshakeInit(msgspec.Struct, tag="INIT"):
+    """Front-end -> engine: where to connect, and the parallel settings."""
+
+    input_addresses: list[str]
+    output_addresses: list[str]
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+
+
+class HandshakeReady(msgspec.Struct, tag="READY"):
+    """Engine -> front-end: initialised; the KV cache size it got."""
+
+    engine_index: int
+    num_gpu_blocks: int
+    max_model_len: int
+    stats_address: str | None = None
+
+
+class HandshakeFailed(msgspec.Struct, tag="FAILED"):
+    """Engine -> front-end: start-up failed; ``error`` says why."""
+
+    engine_index: int
+    error: str
+
+
+HandshakeMessage = HandshakeHello | HandshakeInit | HandshakeReady | HandshakeFailed
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Front-end -> engine: call an allow-listed EngineCore method."""
+
+    client_index: int
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+def engine_identity(engine_index: int) -> bytes:
+    """The ZMQ identity of an engine: its index as 2 bytes little endian."""
+    return engine_index.to_bytes(2, "little")

@@ -366,5 +366,13 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        return self.scheduler.get_request_counts()
+
+    def echo(self, value: Any = None) -> Any:
+        """Return the argument: a liveness and round-trip check for clients."""
+        return value
+
     def shutdown(self) -> None:
         self.model_executor.shutdown()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from enginecore.config import EngineArgs
-from enginecore.core.engine_core import EngineCore
+from enginecore.client.core_client import EngineCoreClient
 from enginecore.model.tokenizer import Tokenizer
 from enginecore.outputs import CompletionOutput, Logprob, RequestOutput, finish_reason_str
 from enginecore.protocol import EngineCoreOutput, EngineCoreRequest
@@ -24,16 +24,21 @@ class LLM:
     """Generate text from prompts with one engine.
 
     ``model=None`` loads the default model (SmolLM2-135M-Instruct, fetched once).
+    The engine runs in its own process by default (``multiprocess_mode=False``
+    keeps it in this one); a script that uses the default must guard its entry
+    point with ``if __name__ == "__main__":`` (the engine process is spawned).
     Other keyword arguments are ``EngineArgs`` fields.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, multiprocess_mode: bool = True, **kwargs: Any
+    ) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
         if self.config.model_config.is_synthetic:
             raise ValueError("LLM needs a real model; the synthetic model has no tokenizer")
         self.tokenizer = Tokenizer.from_dir(self.config.model_config.model_path)
-        self.engine = EngineCore(self.config)
+        self.client = EngineCoreClient.make_client(multiprocess_mode, False, self.config)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -76,7 +81,7 @@ class LLM:
             rid = str(next(self._ids))
             order.append(rid)
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [])])
-            self.engine.add_request(EngineCoreRequest(rid, ids, sp))
+            self.client.add_request(EngineCoreRequest(rid, ids, sp))
         self._run(results, use_tqdm and len(prompts) > 1)
         for out in results.values():
             comp = out.outputs[0]
@@ -95,17 +100,15 @@ class LLM:
         total_tokens = 0
         with bar:
             while pending:
-                outputs, _ = self.engine.step_fn()
-                for outs in outputs.values():
-                    for o in outs.outputs:
-                        req = results.get(o.request_id)
-                        if req is None:
-                            continue
-                        total_tokens += len(o.new_token_ids)
-                        if self._apply(req, o):
-                            pending -= 1
-                            bar.update(1)
-                            bar.set_postfix(tokens=total_tokens)
+                for o in self.client.get_output().outputs:
+                    req = results.get(o.request_id)
+                    if req is None:
+                        continue
+                    total_tokens += len(o.new_token_ids)
+                    if self._apply(req, o):
+                        pending -= 1
+                        bar.update(1)
+                        bar.set_postfix(tokens=total_tokens)
 
     @staticmethod
     def _apply(req: RequestOutput, o: EngineCoreOutput) -> bool:
@@ -147,7 +150,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.client.shutdown()
 
     def __enter__(self) -> LLM:
         return self

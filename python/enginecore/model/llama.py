@@ -150,10 +150,10 @@ class LlamaForCausalLM:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(T, H, D), cos, sin)
-            k = apply_rope(k.view(T, Hkv, D), cos, sin)
-            attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, meta, self.scale)
+            # q and k sit side by side in qkv: rotate both with one set of ops.
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
+            v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
+            attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn, layer.o_w)
             x = rms_norm(h, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)

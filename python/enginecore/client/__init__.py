@@ -1,0 +1,7 @@
+"""Clients that front-ends use to talk to an engine core."""
+
+from enginecore.client.core_client import EngineCoreClient
+from enginecore.client.inproc_client import InprocClient
+from enginecore.client.mp_client import AsyncMPClient, MPClient, SyncMPClient
+
+__all__ = ["AsyncMPClient", "EngineCoreClient", "InprocClient", "MPClient", "SyncMPClient"]
