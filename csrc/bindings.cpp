@@ -4,6 +4,11 @@
 
 namespace py = pybind11;
 
+namespace enginecore {
+void bind_block_hash(py::module_& m);
+void bind_blocking_queue(py::module_& m);
+}  // namespace enginecore
+
 #ifndef ENGINECORE_VERSION
 #define ENGINECORE_VERSION "0.0.0"
 #endif
@@ -12,4 +17,6 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "enginecore native hot paths";
   m.def("version", [] { return std::string(ENGINECORE_VERSION); },
         "Version of the package the extension was built for.");
+  enginecore::bind_block_hash(m);
+  enginecore::bind_blocking_queue(m);
 }

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any, Literal
 
 from enginecore import _native
+from enginecore.blocking_queue import make_blocking_queue
 from enginecore.config import EngineConfig
 from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
 from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, SchedulerStats
@@ -52,8 +52,9 @@ class EngineCore:
             self.model_executor.register_failure_callback(executor_fail_callback)
         num_blocks = self._initialize_kv_caches()
         self.batch_queue_size = self.model_executor.max_concurrent_batches
-        self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = (
-            deque(maxlen=self.batch_queue_size) if self.batch_queue_size > 1 else None
+        # Oldest batch first; native queue on the native path.
+        self.batch_queue = (
+            make_blocking_queue(self.batch_queue_size) if self.batch_queue_size > 1 else None
         )
         self.scheduler = Scheduler(
             config,
@@ -199,17 +200,17 @@ class EngineCore:
             scheduler_output = scheduler.schedule()
             if self._needs_execution(scheduler_output):
                 future = self.model_executor.execute_model(scheduler_output, non_block=True)
-                batch_queue.appendleft((future, scheduler_output))  # type: ignore[arg-type]
+                batch_queue.put((future, scheduler_output))
                 model_executed = scheduler_output.total_num_scheduled_tokens > 0
                 if (
                     model_executed
                     and len(batch_queue) < self.batch_queue_size
-                    and not batch_queue[-1][0].done()
+                    and not batch_queue.peek()[0].done()
                 ):
                     return {}, True
         if not batch_queue:
             return scheduler.take_pending_outputs(), False
-        future, scheduler_output = batch_queue.pop()
+        future, scheduler_output = batch_queue.get_nowait()
         model_output = self._result(future)
         self._process_aborts_queue()
         self._stamp_elapsed(t0)
@@ -267,7 +268,7 @@ class EngineCore:
         if not self.batch_queue:
             return
         while self.batch_queue:
-            future, so = self.batch_queue.pop()
+            future, so = self.batch_queue.get_nowait()
             outputs = self.scheduler.update_from_output(so, self._result(future))
             for client, outs in outputs.items():
                 for out in outs.outputs:

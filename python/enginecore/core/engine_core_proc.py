@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from enginecore.blocking_queue import PyBlockingQueue, make_blocking_queue
 from enginecore.config import EngineConfig
 from enginecore.core.engine_core import EngineCore
 from enginecore.core.utility import convert_args, signature_of
@@ -69,8 +70,15 @@ class EngineCoreProc(EngineCore):
     ) -> None:
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
-        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[Any] = queue.Queue()
+        from enginecore import _native
+
+        _native.set_native(config.use_native)  # before the queues pick their path
+        # The busy loop blocks on the input queue when idle: natively with the GIL
+        # released. The output queue stays on the Python twin on both paths: with the
+        # native queue the output thread's wake-ups made proc_e2e ~20% slower
+        # (docs/benchmarks.md), cause not yet found.
+        self.input_queue = make_blocking_queue()
+        self.output_queue = PyBlockingQueue()
         self.ctx = zmq.Context()
         try:
             self._start(config, handshake_address, executor_class, log_stats, engine_index,

@@ -1,0 +1,24 @@
+// SHA-256 compression (FIPS 180-4): SHA-NI when the CPU has it, chosen at run
+// time by CPUID, and a portable version that gives the same digests.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace enginecore {
+
+constexpr uint32_t kSha256Init[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+
+using Sha256CompressFn = void (*)(uint32_t state[8], const uint8_t* data, size_t nblocks);
+
+// The compression function for this CPU (decided once).
+Sha256CompressFn sha256_compress();
+// Which one it is: "sha-ni" or "portable".
+const char* sha256_impl_name();
+// Force the portable implementation (tests compare both).
+void sha256_force_portable(bool force);
+
+// One-shot SHA-256 of a message of any length.
+void sha256(const uint8_t* data, size_t len, uint8_t out[32]);
+
+}  // namespace enginecore

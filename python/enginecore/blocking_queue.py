@@ -1,0 +1,67 @@
+"""FIFO queue whose blocking ``get`` releases the GIL (Python twin of
+csrc/blocking_queue.cpp); ``make_blocking_queue`` picks the active path."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from typing import Any
+
+from enginecore import _native
+
+
+class PyBlockingQueue:
+    """Same interface as ``enginecore._C.BlockingQueue``: put / put_nowait /
+    get(timeout) / get_nowait / peek / qsize / empty / len / bool / maxsize."""
+
+    def __init__(self, maxsize: int = 0) -> None:
+        self.maxsize = maxsize
+        self._items: deque[Any] = deque()
+        self._cond = threading.Condition(threading.Lock())
+
+    def put(self, item: Any) -> None:
+        with self._cond:
+            if self.maxsize and len(self._items) >= self.maxsize:
+                raise queue.Full
+            self._items.append(item)
+            self._cond.notify()
+
+    put_nowait = put
+
+    def get(self, timeout: float | None = None) -> Any:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                raise queue.Empty
+            return self._items.popleft()
+
+    def get_nowait(self) -> Any:
+        with self._cond:
+            if not self._items:
+                raise queue.Empty
+            return self._items.popleft()
+
+    def peek(self) -> Any:
+        with self._cond:
+            if not self._items:
+                raise queue.Empty
+            return self._items[0]
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+
+def make_blocking_queue(maxsize: int = 0) -> Any:
+    ext = _native.extension()
+    if ext is not None:
+        return ext.BlockingQueue(maxsize)
+    return PyBlockingQueue(maxsize)
