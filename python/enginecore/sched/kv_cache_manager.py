@@ -71,16 +71,28 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0 and not new_computed_blocks:
             raise ValueError("num_new_tokens must be positive")
-        new_computed_blocks = new_computed_blocks or []
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
+        bs = self.block_size
+        if req_blocks is not None and not new_computed_blocks and not num_lookahead_tokens:
+            # Fast path (most decodes): the tokens fit in the blocks the request has.
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(req_blocks) * bs:
+                if self.enable_caching:
+                    num_full = (end if end < request.num_tokens else request.num_tokens) // bs
+                    done = self.num_cached_blocks[req_id]
+                    if num_full > done:
+                        self.block_pool.cache_full_blocks(
+                            req_blocks, request.block_hashes, done, num_full)
+                        self.num_cached_blocks[req_id] = num_full
+                return []
+        new_computed_blocks = new_computed_blocks or []
         if req_blocks is None:
             req_blocks = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_needed = min(
             num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
-        bs = self.block_size
         num_new_blocks = -(-num_needed // bs) - len(req_blocks) - len(new_computed_blocks)
         pool = self.block_pool
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
