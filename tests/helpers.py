@@ -23,7 +23,8 @@ def run_to_completion(engine: EngineCore, max_steps: int = 100_000) -> dict[str,
     for _ in range(max_steps):
         if not engine.scheduler.has_requests() and not (engine.batch_queue or ()):
             return results
-        outputs, _ = engine.step_fn()
+        outputs, executed = engine.step_fn()
+        engine.post_step(executed)  # as the busy loop does: hands drafts back
         collect(outputs, results)
     raise AssertionError("engine did not finish")
 

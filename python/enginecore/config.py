@@ -84,6 +84,20 @@ class ExecutorConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """N-gram (prompt lookup) speculative decoding; off when num_speculative_tokens is 0."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -93,6 +107,7 @@ class EngineConfig:
     # None: the environment decides (ENGINECORE_NATIVE); True/False forces a path.
     use_native: bool | None = None
     log_iteration_details: bool = False
+    speculative_config: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
 
 @dataclass
@@ -129,6 +144,10 @@ class EngineArgs:
     synthetic_eos_token_id: int | None = None
     use_native: bool | None = None
     log_iteration_details: bool = False
+    speculative_method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -181,6 +200,12 @@ class EngineArgs:
             ),
             use_native=self.use_native,
             log_iteration_details=self.log_iteration_details,
+            speculative_config=SpeculativeConfig(
+                method=self.speculative_method,
+                num_speculative_tokens=self.num_speculative_tokens,
+                prompt_lookup_min=self.prompt_lookup_min,
+                prompt_lookup_max=self.prompt_lookup_max,
+            ),
         )
 
     def _validate(self) -> None:
@@ -215,6 +240,12 @@ class EngineArgs:
             raise bad("executor_backend", f"one of {get_args(ExecutorBackend)}")
         if self.synthetic_step_latency_s < 0:
             raise bad("synthetic_step_latency_s", ">= 0")
+        if self.speculative_method != "ngram":
+            raise bad("speculative_method", "'ngram' (the only proposer so far)")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise bad("num_speculative_tokens", "in [0, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"in [1, prompt_lookup_max={self.prompt_lookup_max}]")
 
     def _create_model_config(self) -> ModelConfig:
         if self.model == SYNTHETIC_MODEL:
@@ -278,6 +309,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "SYNTHETIC_MODEL",
     "default_cache_dir",
 ]

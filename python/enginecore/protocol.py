@@ -132,6 +132,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     num_preempted_total: int = 0
     iteration: IterationDetails | None = None
+    # Speculative decoding, cumulative: drafts scheduled and drafts accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineCoreOutputs(

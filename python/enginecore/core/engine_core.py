@@ -364,6 +364,18 @@ class EngineCore:
     def get_supported_tasks(self) -> tuple[str, ...]:
         return self.model_executor.get_supported_tasks()
 
+    def reset_mm_cache(self) -> bool:
+        """No multimodal encoder in the supported models: nothing to reset."""
+        logger.info("reset_mm_cache: %s has no multimodal encoder; nothing to reset",
+                    self.config.model_config.model)
+        return False
+
+    def reset_encoder_cache(self) -> bool:
+        """No encoder cache in the supported models: nothing to reset."""
+        logger.info("reset_encoder_cache: %s has no encoder cache; nothing to reset",
+                    self.config.model_config.model)
+        return False
+
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 

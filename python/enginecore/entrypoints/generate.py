@@ -32,7 +32,8 @@ def run_generate(args: argparse.Namespace) -> int:
     n = 0
     reason = None
     while engine.scheduler.has_requests():
-        outputs, _ = engine.step()
+        outputs, executed = engine.step()
+        engine.post_step(executed)
         for outs in outputs.values():
             for o in outs.outputs:
                 if o.new_token_ids and t_first is None:

@@ -101,6 +101,10 @@ class UniProcExecutor(Executor):
     def execute_dummy_batch(self) -> None:
         self.runner.dummy_forward(1)
 
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """Drafts proposed after the last step (speculative decoding)."""
+        return self.runner.take_draft_token_ids()
+
     # -- sleep mode ---------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         super().sleep(level)

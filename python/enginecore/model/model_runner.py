@@ -14,6 +14,7 @@ from enginecore.model.arch_config import LlamaArchConfig, load_arch_config
 from enginecore.model.attention import AttentionMetadata, PrefillPiece
 from enginecore.model.hf_loader import iterate_weights
 from enginecore.model.llama import LlamaForCausalLM
+from enginecore.model.ngram_proposer import NgramProposer
 from enginecore.model.sampler import Sampler, SamplingRow
 from enginecore.sampling_params import SamplingParams
 from enginecore.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
@@ -52,6 +53,11 @@ class ModelRunner:
         self.scratch_slot = 0
         self.scratch_block = 0
         self.requests: dict[str, RequestState] = {}
+        self.max_model_len = config.scheduler_config.max_model_len
+        spec = config.speculative_config
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max) if spec.enabled else None)
+        self._drafts: dict[str, list[int]] = {}
         torch.manual_seed(mc.seed)
 
     # -- weights and cache -------------------------------------------------------------------
@@ -118,29 +124,62 @@ class ModelRunner:
         computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        input_ids, positions, meta, sample_idx, sample_states = self._prepare(so, computed)
+        input_ids, positions, meta, groups = self._prepare(so, computed)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs = None
-        if sample_idx:
-            idx = torch.tensor([i for i, _ in sample_idx], dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
-            rows = [
-                SamplingRow(st.params, st.token_ids[: st.num_prompt], st.token_ids[st.num_prompt:],
-                            len(st.token_ids), self.eos_token_id)
-                for st in sample_states
-            ]
-            out = self.sampler(logits, rows)
-            if any(lp is not None for lp in out.logprobs):
-                logprobs = [None] * len(req_ids)
-            for (_, row), st, tok, lp in zip(sample_idx, sample_states, out.token_ids,
-                                             out.logprobs):
-                st.token_ids.append(tok)
-                sampled[row] = [tok]
-                if logprobs is not None and lp is not None:
-                    logprobs[row] = ([lp[0]], [lp[1]], [lp[2]])
+        if groups:
+            sampled, logprobs = self._sample(hidden, groups, req_ids)
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, logprobs)
+
+    def _sample(self, hidden: torch.Tensor, groups, req_ids: list[str]):
+        """Sample every position of every group; with drafts, keep the drafts the
+        target agrees with plus one token (rejection sampling for a one-hot
+        draft distribution: sample t_j ~ p_j, accept while t_j == draft_j)."""
+        assert self.model is not None
+        flat: list[int] = []
+        rows: list[SamplingRow] = []
+        for first, _, st, drafts in groups:
+            outputs = st.token_ids[st.num_prompt:]
+            for j in range(len(drafts) + 1):
+                flat.append(first + j)
+                rows.append(SamplingRow(st.params, st.token_ids[: st.num_prompt],
+                                        outputs + drafts[:j], len(st.token_ids) + j,
+                                        self.eos_token_id))
+        idx = torch.tensor(flat, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
+        out = self.sampler(logits, rows)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        want_lp = any(lp is not None for lp in out.logprobs)
+        logprobs: list | None = [None] * len(req_ids) if want_lp else None
+        k = 0
+        for _, row, st, drafts in groups:
+            emitted: list[int] = []
+            for j in range(len(drafts) + 1):
+                tok = out.token_ids[k + j]
+                emitted.append(tok)
+                if j == len(drafts) or tok != drafts[j]:
+                    break
+            if logprobs is not None and out.logprobs[k] is not None:
+                lps = out.logprobs[k : k + len(emitted)]
+                logprobs[row] = ([lp[0] for lp in lps], [lp[1] for lp in lps],
+                                 [lp[2] for lp in lps])
+            k += len(drafts) + 1
+            st.token_ids.extend(emitted)
+            sampled[row] = emitted
+            if self.proposer is not None:
+                n_out = len(st.token_ids) - st.num_prompt
+                limit = min(self.max_model_len - len(st.token_ids) - 1,
+                            st.params.max_tokens - n_out - 1)
+                draft = self.proposer.propose(st.token_ids, limit) if limit > 0 else []
+                if draft:
+                    self._drafts[st.req_id] = draft
+        return sampled, logprobs
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        drafts, self._drafts = self._drafts, {}
+        return drafts
 
     def _prepare(self, so: SchedulerOutput, computed: dict[str, int]):
         bs = self.block_size
@@ -153,12 +192,14 @@ class ModelRunner:
         decode_states: list[RequestState] = []
         decode_ctx: list[int] = []
         prefills: list[PrefillPiece] = []
-        sample_idx: list[tuple[int, int]] = []  # (flat token index, request row)
-        sample_states: list[RequestState] = []
+        # (flat index of the first sampled position, request row, state, drafts)
+        groups: list[tuple[int, int, RequestState, list[int]]] = []
+        spec = so.scheduled_spec_decode_tokens
         for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
             st = reqs[rid]
             c = computed[rid]
             start = len(input_ids)
+            drafts = spec.get(rid, ()) if spec else ()
             if n == 1:
                 input_ids.append(st.token_ids[c])
                 positions.append(c)
@@ -167,7 +208,11 @@ class ModelRunner:
                 decode_states.append(st)
                 decode_ctx.append(c + 1)
             else:
-                input_ids.extend(st.token_ids[c : c + n])
+                if drafts:  # the last known token, then the drafts to verify
+                    input_ids.extend(st.token_ids[c : c + n - len(drafts)])
+                    input_ids.extend(drafts)
+                else:
+                    input_ids.extend(st.token_ids[c : c + n])
                 pos = np.arange(c + n)
                 blocks = np.asarray(st.block_ids, dtype=np.int64)
                 ctx_slots = blocks[pos // bs] * bs + pos % bs
@@ -178,9 +223,8 @@ class ModelRunner:
                 prefills.append(PrefillPiece(
                     start, start + n, torch.from_numpy(ctx_slots).to(self.device),
                     mask.repeat(G, 1).to(self.device)))
-            if c + n >= len(st.token_ids):
-                sample_idx.append((start + n - 1, row))
-                sample_states.append(st)
+            if c + n - len(drafts) >= len(st.token_ids):
+                groups.append((start + n - 1 - len(drafts), row, st, list(drafts)))
         dev = self.device
         T = len(input_ids)
         decode_token_idx = decode_slots = decode_mask = None
@@ -209,7 +253,7 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, sample_idx, sample_states)
+                meta, groups)
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int = 1) -> None:

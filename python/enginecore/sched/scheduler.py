@@ -86,6 +86,8 @@ class Scheduler:
         self.pause_state = PauseState.UNPAUSED
         self.step_counter = 0
         self.num_preempted_total = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         self.last_iteration: IterationDetails | None = None
 
     # -- requests in ---------------------------------------------------------
@@ -390,6 +392,8 @@ class Scheduler:
             if drafts:
                 # Rejected drafts were counted as computed: take them back.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                self.spec_num_draft_tokens += len(drafts)
+                self.spec_num_accepted_tokens += len(new_token_ids) - 1
             if not new_token_ids:
                 continue
             stop = False
@@ -473,6 +477,8 @@ class Scheduler:
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preempted_total=self.num_preempted_total,
             iteration=self.last_iteration,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
 
     def log_state(self) -> None:
