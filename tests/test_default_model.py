@@ -50,7 +50,16 @@ def test_gguf_matches_transformers_on_dequantized_weights(llm32):
         with torch.no_grad():
             gen = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
-        assert out.outputs[0].token_ids == gen[0, len(ids):].tolist(), prompt
+        got, want = out.outputs[0].token_ids, gen[0, len(ids):].tolist()
+        if got != want:
+            # Only a numerical tie may break parity: at the first difference the
+            # reference's top two logits must be within float32 noise.
+            k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            with torch.no_grad():
+                logits = ref(torch.tensor([ids + want[:k]])).logits[0, -1]
+            top2 = torch.topk(logits, 2).values
+            margin = float(top2[0] - top2[1])
+            assert margin < 1e-3, (prompt, k, got, want, margin)
 
 
 def test_llm_generate_shapes_and_token_prompts(llm32):

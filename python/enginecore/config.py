@@ -36,6 +36,8 @@ class ModelConfig:
     architecture: str = SYNTHETIC_MODEL
     # Where the model's files resolved to (a directory or a .gguf file); None for synthetic.
     model_path: str | None = None
+    # "generate" (decoders) or "embed" (encoders with a pooler).
+    task: str = "generate"
 
     @property
     def is_synthetic(self) -> bool:
@@ -153,6 +155,11 @@ class EngineArgs:
         self._validate()
         model_config = self._create_model_config()
         max_model_len = model_config.max_model_len
+        enable_prefix_caching = self.enable_prefix_caching
+        if model_config.task == "embed" and enable_prefix_caching:
+            # An encoder attends both ways: a cached prefix would change the result.
+            logger.info("prefix caching is off for the embedding model %s", model_config.model)
+            enable_prefix_caching = False
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             max_batched = max(2048, self.max_num_seqs) if self.enable_chunked_prefill else max(
@@ -173,7 +180,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,

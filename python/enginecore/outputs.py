@@ -39,5 +39,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None = None
+    finished: bool = False
+
+
 def finish_reason_str(reason: FinishReason | None) -> str | None:
     return None if reason is None else str(reason)

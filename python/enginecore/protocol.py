@@ -46,6 +46,13 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     lora_path: str = ""
 
 
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """Asks for the pooled (embedding) output instead of generated tokens."""
+
+    # None: the model's own setting (its Normalize module).
+    normalize: bool | None = None
+
+
 class EngineCoreRequest(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 ):  # type: ignore[call-arg]
@@ -61,6 +68,7 @@ class EngineCoreRequest(
     # DP wave the front-end believed current when it sent the request.
     current_wave: int = 0
     priority: int = 0
+    pooling_params: PoolingParams | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -84,6 +92,7 @@ class EngineCoreOutput(
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from enginecore.protocol import EngineCoreRequest, FinishReason, LoRARequest
+from enginecore.protocol import EngineCoreRequest, FinishReason, LoRARequest, PoolingParams
 from enginecore.sampling_params import SamplingParams
 from enginecore.sched.block_hash import ExtraKey, block_hashes
 
@@ -71,6 +71,7 @@ class Request:
         "stop_token_ids",
         "ignore_eos",
         "current_wave",
+        "pooling_params",
     )
 
     def __init__(
@@ -89,6 +90,7 @@ class Request:
         hash_algo: str = "sha256",
         enable_block_hashes: bool = True,
         current_wave: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
@@ -108,6 +110,7 @@ class Request:
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
         self.current_wave = current_wave
+        self.pooling_params = pooling_params
         # Hot fields copied out of sampling_params: read every step.
         self.max_tokens = sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens
@@ -152,6 +155,7 @@ class Request:
             hash_algo=hash_algo,
             enable_block_hashes=enable_block_hashes,
             current_wave=req.current_wave,
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -75,12 +75,23 @@ class EngineCore:
         self._block_size = cc.block_size
         self._hash_algo = cc.prefix_caching_hash_algo
         self._enable_hashes = cc.enable_prefix_caching
+        self._tasks = self.get_supported_tasks()
+        self._max_batched = config.scheduler_config.max_num_batched_tokens
 
     # -- start-up -------------------------------------------------------------------
     def _initialize_kv_caches(self) -> int:
         cc = self.config.cache_config
         spec = self.model_executor.get_kv_cache_specs()
         t0 = time.perf_counter()
+        if spec.page_size_bytes == 0:
+            # No KV cache (an encoder): blocks are bookkeeping for the scheduler only.
+            sc = self.config.scheduler_config
+            num_blocks = 2 * (-(-max(sc.max_num_batched_tokens, sc.max_model_len)
+                                // spec.block_size))
+            cc.num_gpu_blocks = num_blocks
+            self.model_executor.initialize_from_config(KVCacheConfig(num_blocks, spec))
+            logger.info("no KV cache for this model (task %s)", self.config.model_config.task)
+            return num_blocks
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
@@ -132,13 +143,20 @@ class EngineCore:
         n = len(prompt)
         if n == 0:
             return "the prompt is empty"
-        if n >= self._max_model_len:
+        limit = self._max_model_len + (1 if request.pooling_params is not None else 0)
+        if n >= limit:
             return (
                 f"prompt of {n} tokens leaves no room to generate within max_model_len "
                 f"{self._max_model_len}"
             )
         if min(prompt) < 0 or max(prompt) >= self._vocab_size:
             return f"prompt token ids must be in [0, {self._vocab_size})"
+        task = "embed" if request.pooling_params is not None else "generate"
+        if task not in self._tasks:
+            return f"this model does not support the {task!r} task; it supports {self._tasks}"
+        if task == "embed" and n > self._max_batched:
+            return (f"a pooling prompt must run in one step: {n} tokens > "
+                    f"max_num_batched_tokens {self._max_batched}")
         return None
 
     def add_request(self, request: Request | EngineCoreRequest, request_wave: int = 0) -> None:

@@ -10,8 +10,15 @@ from typing import Any
 from enginecore.config import EngineArgs
 from enginecore.client.core_client import EngineCoreClient
 from enginecore.model.tokenizer import Tokenizer
-from enginecore.outputs import CompletionOutput, Logprob, RequestOutput, finish_reason_str
-from enginecore.protocol import EngineCoreOutput, EngineCoreRequest
+from enginecore.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    finish_reason_str,
+)
+from enginecore.protocol import EngineCoreOutput, EngineCoreRequest, PoolingParams
 from enginecore.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +46,7 @@ class LLM:
             raise ValueError("LLM needs a real model; the synthetic model has no tokenizer")
         self.tokenizer = Tokenizer.from_dir(self.config.model_config.model_path)
         self.client = EngineCoreClient.make_client(multiprocess_mode, False, self.config)
+        self.supported_tasks: tuple[str, ...] = (self.config.model_config.task,)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -92,7 +100,35 @@ class LLM:
                         lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
         return [results[r] for r in order]
 
-    def _run(self, results: dict[str, RequestOutput], progress: bool) -> None:
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Pooled vectors of the prompts (an embedding model, e.g. all-MiniLM-L6-v2)."""
+        if "embed" not in self.supported_tasks:
+            raise ValueError(f"{self.config.model_config.model} does not embed; it supports "
+                             f"{self.supported_tasks}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        pp = pooling_params or PoolingParams()
+        results: dict[str, EmbeddingRequestOutput] = {}
+        order = []
+        for prompt in prompts:
+            text, ids = self._prompt_ids(prompt)
+            rid = str(next(self._ids))
+            order.append(rid)
+            results[rid] = EmbeddingRequestOutput(rid, text, ids)
+            self.client.add_request(EngineCoreRequest(rid, ids, pooling_params=pp))
+        self._run(results, use_tqdm and len(order) > 1)
+        failed = [r for r in results.values() if r.outputs is None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} embedding requests failed: "
+                               f"{getattr(failed[0], 'error', 'see the engine log')}")
+        return [results[r] for r in order]
+
+    def _run(self, results: dict[str, Any], progress: bool) -> None:
         from tqdm import tqdm
 
         pending = sum(1 for r in results.values() if not r.finished)
@@ -111,7 +147,14 @@ class LLM:
                         bar.set_postfix(tokens=total_tokens)
 
     @staticmethod
-    def _apply(req: RequestOutput, o: EngineCoreOutput) -> bool:
+    def _apply(req: Any, o: EngineCoreOutput) -> bool:
+        if isinstance(req, EmbeddingRequestOutput):
+            if o.pooling_output is not None:
+                req.outputs = EmbeddingOutput(o.pooling_output)
+            elif o.stop_reason is not None:
+                req.error = o.stop_reason  # type: ignore[attr-defined]
+            req.finished = o.finish_reason is not None
+            return req.finished
         comp = req.outputs[0]
         comp.token_ids.extend(o.new_token_ids)
         if o.new_logprobs is not None:

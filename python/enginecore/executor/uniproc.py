@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import logging
@@ -21,6 +22,16 @@ DEFAULT_CPU_KV_FRACTION = 0.25
 DEFAULT_CPU_KV_CAP = 4 << 30
 
 
+def release_free_host_memory() -> None:
+    """Give freed heap pages back to the OS. Tensors of a few MiB come from
+    glibc's heap once its mmap threshold has grown, and free() alone keeps them."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def mem_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -36,16 +47,26 @@ class UniProcExecutor(Executor):
     RPC_METHODS = frozenset({"echo", "device_info"})
 
     def _init_executor(self) -> None:
-        from enginecore.model.model_runner import ModelRunner
+        if self.config.model_config.task == "embed":
+            from enginecore.model.pooling_runner import PoolingModelRunner
 
-        self.runner = ModelRunner(self.config)
+            self.runner = PoolingModelRunner(self.config)
+        else:
+            from enginecore.model.model_runner import ModelRunner
+
+            self.runner = ModelRunner(self.config)
         self.runner.load_model()
         self._kv_config: KVCacheConfig | None = None
 
     def get_kv_cache_specs(self) -> KVCacheSpec:
+        if self.config.model_config.task == "embed":
+            return KVCacheSpec(self.config.cache_config.block_size, 0, 0, 0, 0)  # no KV cache
         a = self.runner.arch
         return KVCacheSpec(self.config.cache_config.block_size, a.num_layers, a.num_kv_heads,
                            a.head_dim, torch.finfo(self.runner.dtype).bits // 8)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return (self.config.model_config.task,)
 
     def determine_available_memory(self) -> int:
         cc = self.config.cache_config
@@ -114,6 +135,8 @@ class UniProcExecutor(Executor):
         gc.collect()
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            release_free_host_memory()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         tags = list(tags) if tags else ["weights", "kv_cache"]

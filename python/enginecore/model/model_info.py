@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -9,6 +10,7 @@ import torch
 
 from enginecore.config import ModelConfig
 from enginecore.model.arch_config import load_arch_config
+from enginecore.model.bert import is_encoder_config, load_bert_config
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +75,13 @@ def resolve_model_config(
     model: str | None, *, dtype: str, device: str, seed: int, max_model_len: int | None
 ) -> ModelConfig:
     name, path = resolve_model_path(model)
-    arch = load_arch_config(path)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    if is_encoder_config(raw):
+        return _encoder_model_config(name, path, dtype, device, seed, max_model_len)
+    arch = load_arch_config(path)
     limit = arch.max_position_embeddings
     if max_model_len is None:
         max_model_len = limit
@@ -104,6 +110,19 @@ def resolve_model_config(
         head_dim=arch.head_dim,
         architecture=arch.architecture,
         model_path=path,
+    )
+
+
+def _encoder_model_config(name, path, dtype, device, seed, max_model_len) -> ModelConfig:
+    cfg = load_bert_config(path)
+    limit = cfg.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
+    return ModelConfig(
+        model=name, dtype=dtype, device=device, seed=seed,
+        max_model_len=max_model_len or limit, vocab_size=cfg.vocab_size, eos_token_id=None,
+        num_layers=0, num_kv_heads=0, head_dim=0, architecture="BertModel", model_path=path,
+        task="embed",
     )
 
 

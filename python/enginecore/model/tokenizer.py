@@ -32,6 +32,10 @@ class Tokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
         tok = HFTokenizer.from_file(path)
+        # Some tokenizer.json files ship fixed padding/truncation (sentence-transformers):
+        # the engine wants exactly the prompt's tokens.
+        tok.no_padding()
+        tok.no_truncation()
         cfg: dict[str, Any] = {}
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(cfg_path):

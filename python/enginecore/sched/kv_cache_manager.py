@@ -39,7 +39,7 @@ class KVCacheManager:
         At least the last prompt token is always recomputed: the model needs
         its logits to sample.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.pooling_params is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         get = self.block_pool.get_cached_block

@@ -71,6 +71,8 @@ class ModelRunnerOutput:
     # Per request: (token_ids rows, logprob rows, sampled ranks) or None.
     logprobs: list[tuple[list[list[int]], list[list[float]], list[int]] | None] | None = None
     num_nans_in_logits: dict[str, int] | None = None
+    # Pooling models: the pooled vector of each request that finished this step.
+    pooler_output: list[list[float] | None] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])

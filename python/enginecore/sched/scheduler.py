@@ -259,10 +259,12 @@ class Scheduler:
                 request = waiting.peek_request()
                 computed_blocks, num_computed = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_computed
-                if threshold and num_new > threshold:
+                pooling = request.pooling_params is not None
+                if threshold and num_new > threshold and not pooling:
                     num_new = threshold
                 if num_new > token_budget:
-                    if not self.enable_chunked_prefill:
+                    # An encoder sees the whole sequence at once: pooling never chunks.
+                    if not self.enable_chunked_prefill or pooling:
                         break
                     num_new = token_budget
                 new_blocks = kv.allocate_slots(request, num_new, num_computed, computed_blocks)
@@ -374,6 +376,7 @@ class Scheduler:
         sampled = model_output.sampled_token_ids
         index_of = model_output.req_id_to_index
         logprobs = model_output.logprobs
+        pooled = model_output.pooler_output
         spec = scheduler_output.scheduled_spec_decode_tokens
         in_flight = self.in_flight if self.track_in_flight else None
         outputs: dict[int, list[EngineCoreOutput]] = self.pending_outputs
@@ -387,6 +390,12 @@ class Scheduler:
             if request is None or request.status != _RUNNING:
                 continue  # aborted or preempted while its batch ran
             i = index_of.get(rid)
+            if pooled is not None and i is not None and pooled[i] is not None:
+                request.status = _STOPPED
+                stopped.append(request)
+                self._emit(outputs, request, EngineCoreOutput(
+                    rid, [], finish_reason=FinishReason.STOP, pooling_output=pooled[i]))
+                continue
             new_token_ids = sampled[i] if i is not None else []
             drafts = spec.get(rid)
             if drafts:
@@ -423,11 +432,7 @@ class Scheduler:
                 )
             else:
                 out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
-            client_outputs = outputs.get(request.client_index)
-            if client_outputs is None:
-                outputs[request.client_index] = [out]
-            else:
-                client_outputs.append(out)
+            self._emit(outputs, request, out)
 
         if stopped:
             gone = {id(r) for r in stopped}
@@ -445,6 +450,15 @@ class Scheduler:
                 first = result[0] = EngineCoreOutputs()
             first.scheduler_stats = stats
         return result
+
+    @staticmethod
+    def _emit(outputs: dict[int, list[EngineCoreOutput]], request: Request,
+              out: EngineCoreOutput) -> None:
+        client_outputs = outputs.get(request.client_index)
+        if client_outputs is None:
+            outputs[request.client_index] = [out]
+        else:
+            client_outputs.append(out)
 
     def take_pending_outputs(self) -> dict[int, EngineCoreOutputs]:
         """Outputs owed outside a model step (aborts, rejections)."""
