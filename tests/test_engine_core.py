@@ -124,7 +124,7 @@ def test_small_cache_caps_max_model_len(caplog):
 
 
 def test_utility_methods():
-    eng = synthetic_engine(block_size=4)
+    eng = synthetic_engine(block_size=4, max_loras=2)
     eng.add_request(make_request("a", list(range(1, 10)), max_tokens=3))
     eng.step()
     assert eng.reset_prefix_cache() is False  # blocks in use

@@ -100,6 +100,13 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -110,6 +117,7 @@ class EngineConfig:
     use_native: bool | None = None
     log_iteration_details: bool = False
     speculative_config: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    lora_config: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -150,6 +158,9 @@ class EngineArgs:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -213,6 +224,7 @@ class EngineArgs:
                 prompt_lookup_min=self.prompt_lookup_min,
                 prompt_lookup_max=self.prompt_lookup_max,
             ),
+            lora_config=LoRAConfig(self.enable_lora, self.max_loras, self.max_lora_rank),
         )
 
     def _validate(self) -> None:
@@ -251,6 +263,10 @@ class EngineArgs:
             raise bad("speculative_method", "'ngram' (the only proposer so far)")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise bad("num_speculative_tokens", "in [0, 16]")
+        if not 1 <= self.max_loras <= 64:
+            raise bad("max_loras", "in [1, 64]")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise bad("max_lora_rank", "in [1, 512]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"in [1, prompt_lookup_max={self.prompt_lookup_max}]")
 
@@ -315,6 +331,7 @@ __all__ = [
     "ExecutorConfig",
     "ModelConfig",
     "ParallelConfig",
+    "LoRAConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
     "SYNTHETIC_MODEL",

@@ -170,11 +170,24 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already live; rejected")
         reason = self._fits(request)
+        if reason is None and request.lora_request is not None:
+            reason = self._load_lora_for(request)
         if reason is not None:
             logger.warning("rejecting request %s: %s", request.request_id, reason)
             self.scheduler.reject_request(request, reason)
             return
         self.scheduler.add_request(request)
+
+    def _load_lora_for(self, request: Request) -> str | None:
+        """Make the request's adapter resident; the reason it cannot be, or None."""
+        if not self.config.lora_config.enable_lora:
+            return "LoRA is not enabled on this engine (enable_lora=True)"
+        try:
+            self.model_executor.add_lora(request.lora_request)
+        except (ValueError, NotImplementedError, RuntimeError, OSError) as e:
+            return str(e) if isinstance(e, ValueError) else (
+                f"LoRA {request.lora_request.lora_name!r}: {e}")
+        return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort live requests; unknown or finished ids are ignored."""

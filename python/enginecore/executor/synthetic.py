@@ -50,7 +50,7 @@ class SyntheticExecutor(Executor):
         self._lock = threading.Lock()
         self.num_steps = 0
         self.num_dummy_batches = 0
-        self._loras: LoRASlots[LoRARequest] = LoRASlots(max_loras=4)
+        self._loras: LoRASlots[LoRARequest] = LoRASlots(self.config.lora_config.max_loras)
         self.kv_cache_config: KVCacheConfig | None = None
 
     @property

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
+from enginecore.protocol import LoRARequest
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,18 @@ class UniProcExecutor(Executor):
 
     def execute_dummy_batch(self) -> None:
         self.runner.dummy_forward(1)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.runner.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.runner.list_loras() if hasattr(self.runner, "list_loras") else set()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.runner.pin_lora(lora_id)
 
     def take_draft_token_ids(self) -> dict[str, list[int]]:
         """Drafts proposed after the last step (speculative decoding)."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from enginecore.model.arch_config import LlamaArchConfig
 from enginecore.model.attention import AttentionMetadata, paged_attention
+from enginecore.model.lora import LoRABatch
 from enginecore.model.rope import apply_rope, rope_cos_sin
 
 
@@ -45,6 +46,14 @@ class LlamaForCausalLM:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.max_positions = max(cfg.max_position_embeddings, 1)
+        q, kv, inter, hid = self.q_size, self.kv_size, cfg.intermediate_size, cfg.hidden_size
+        # Where each LoRA target's output sits in the fused projections.
+        self._lora_targets = (
+            (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+            (("o_proj", 0, hid),),
+            (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
+            (("down_proj", 0, hid),),
+        )
         cos, sin = rope_cos_sin(cfg, self.max_positions)
         self.cos = cos.to(device=device, dtype=dtype)
         self.sin = sin.to(device=device, dtype=dtype)
@@ -138,6 +147,7 @@ class LlamaForCausalLM:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         T = input_ids.shape[0]
@@ -147,17 +157,30 @@ class LlamaForCausalLM:
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         h = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        qkv_t, o_t, gu_t, down_t = self._lora_targets
+        for li, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            if lora is not None:
+                lora.apply(qkv, x, li, qkv_t)
             # q and k sit side by side in qkv: rotate both with one set of ops.
             qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
             attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn, layer.o_w)
+            o = F.linear(attn, layer.o_w)
+            if lora is not None:
+                lora.apply(o, attn, li, o_t)
+            h = h + o
             x = rms_norm(h, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_w)
+            gu = F.linear(x, layer.gate_up_w)
+            if lora is not None:
+                lora.apply(gu, x, li, gu_t)
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer.down_w)
+            if lora is not None:
+                lora.apply(down, act, li, down_t)
+            h = h + down
         return rms_norm(h, self.norm, eps)
 
     @torch.inference_mode()

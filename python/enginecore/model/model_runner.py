@@ -13,7 +13,10 @@ from enginecore.config import EngineConfig
 from enginecore.model.arch_config import LlamaArchConfig, load_arch_config
 from enginecore.model.attention import AttentionMetadata, PrefillPiece
 from enginecore.model.hf_loader import iterate_weights
+from enginecore.executor.lora_slots import LoRASlots
 from enginecore.model.llama import LlamaForCausalLM
+from enginecore.model.lora import LoRABatch, LoRAError, LoRAWeights, load_lora
+from enginecore.protocol import LoRARequest
 from enginecore.model.ngram_proposer import NgramProposer
 from enginecore.model.sampler import Sampler, SamplingRow
 from enginecore.sampling_params import SamplingParams
@@ -25,14 +28,15 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 class RequestState:
-    __slots__ = ("req_id", "token_ids", "num_prompt", "params", "block_ids")
+    __slots__ = ("req_id", "token_ids", "num_prompt", "params", "block_ids", "lora_id")
 
-    def __init__(self, req_id, token_ids, num_prompt, params, block_ids) -> None:
+    def __init__(self, req_id, token_ids, num_prompt, params, block_ids, lora_id=0) -> None:
         self.req_id = req_id
         self.token_ids: list[int] = token_ids
         self.num_prompt: int = num_prompt
         self.params: SamplingParams = params
         self.block_ids: list[int] = block_ids
+        self.lora_id: int = lora_id
 
 
 class ModelRunner:
@@ -58,6 +62,11 @@ class ModelRunner:
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max) if spec.enabled else None)
         self._drafts: dict[str, list[int]] = {}
+        lc = config.lora_config
+        self.lora_config = lc
+        self.loras: LoRASlots[LoRAWeights] = LoRASlots(lc.max_loras)
+        # Every adapter ever added, so an evicted one can be loaded again on use.
+        self.lora_requests: dict[int, LoRARequest] = {}
         torch.manual_seed(mc.seed)
 
     # -- weights and cache -------------------------------------------------------------------
@@ -106,9 +115,13 @@ class ModelRunner:
         for rid in so.preempted_req_ids:
             reqs.pop(rid, None)
         for new in so.scheduled_new_reqs:
+            lora_id = 0
+            if new.lora_request is not None:
+                lora_id = new.lora_request.lora_int_id
+                self.lora_requests.setdefault(lora_id, new.lora_request)
             reqs[new.req_id] = RequestState(new.req_id, list(new.token_ids),
                                             new.num_prompt_tokens, new.sampling_params,
-                                            list(new.block_ids))
+                                            list(new.block_ids), lora_id)
         cached = so.scheduled_cached_reqs
         for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
             if blocks:
@@ -124,8 +137,9 @@ class ModelRunner:
         computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        input_ids, positions, meta, groups = self._prepare(so, computed)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        input_ids, positions, meta, groups, lora_ranges = self._prepare(so, computed)
+        lora = self._lora_batch(lora_ranges) if lora_ranges else None
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs = None
@@ -177,6 +191,47 @@ class ModelRunner:
                     self._drafts[st.req_id] = draft
         return sampled, logprobs
 
+    # -- LoRA ----------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load (and validate) an adapter into a slot; raises LoRAError with the reason."""
+        if not self.lora_config.enable_lora:
+            raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True")
+        lid = lora_request.lora_int_id
+        if lid in self.loras:
+            self.loras.get(lid)
+            return True
+        weights = load_lora(lora_request.lora_path, lid, lora_request.lora_name, self.arch,
+                            self.lora_config.max_lora_rank, self.dtype, self.device)
+        evicted = self.loras.add(lid, weights)
+        self.lora_requests[lid] = lora_request
+        if evicted is not None:
+            logger.info("LoRA %d evicted (LRU) to load %d", evicted, lid)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self.lora_requests.pop(lora_id, None)
+        return self.loras.remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.loras.pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.loras.ids()
+
+    def _lora_batch(self, ranges: dict[int, list[int]]) -> LoRABatch:
+        groups = []
+        for lid, tokens in ranges.items():
+            weights = self.loras.get(lid)
+            if weights is None:  # evicted since: load it again
+                request = self.lora_requests.get(lid)
+                if request is None:
+                    raise LoRAError(f"LoRA {lid} is neither loaded nor known")
+                self.add_lora(request)
+                weights = self.loras.get(lid)
+            idx = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            groups.append((idx, weights))
+        return LoRABatch(groups)
+
     def take_draft_token_ids(self) -> dict[str, list[int]]:
         drafts, self._drafts = self._drafts, {}
         return drafts
@@ -195,10 +250,13 @@ class ModelRunner:
         # (flat index of the first sampled position, request row, state, drafts)
         groups: list[tuple[int, int, RequestState, list[int]]] = []
         spec = so.scheduled_spec_decode_tokens
+        lora_ranges: dict[int, list[int]] = {}
         for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
             st = reqs[rid]
             c = computed[rid]
             start = len(input_ids)
+            if st.lora_id:
+                lora_ranges.setdefault(st.lora_id, []).extend(range(start, start + n))
             drafts = spec.get(rid, ()) if spec else ()
             if n == 1:
                 input_ids.append(st.token_ids[c])
@@ -253,7 +311,7 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, groups)
+                meta, groups, lora_ranges)
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int = 1) -> None:

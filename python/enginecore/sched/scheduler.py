@@ -65,6 +65,9 @@ class Scheduler:
         self.policy = SchedulingPolicy(sc.scheduling_policy)
         self.block_size = config.cache_config.block_size
         self.log_stats = log_stats
+        lc = config.lora_config
+        # At most max_loras distinct adapters run at once (the runner's slots).
+        self.max_loras = lc.max_loras if lc.enable_lora else 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             self.block_size,
@@ -255,8 +258,15 @@ class Scheduler:
 
         if not preempted and pause == PauseState.UNPAUSED:
             waiting = self.waiting
+            skipped: list[Request] = []
+            active_loras = ({r.lora_int_id for r in self.running if r.lora_request}
+                            if self.max_loras else set())
             while waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = waiting.peek_request()
+                lid = request.lora_int_id
+                if lid and lid not in active_loras and len(active_loras) >= self.max_loras:
+                    skipped.append(waiting.pop_request())  # waits for a free adapter slot
+                    continue
                 computed_blocks, num_computed = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_computed
                 pooling = request.pooling_params is not None
@@ -279,6 +289,10 @@ class Scheduler:
                 scheduled_new.append(request)
                 num_scheduled_tokens[request.request_id] = num_new
                 token_budget -= num_new
+                if lid:
+                    active_loras.add(lid)
+            for request in reversed(skipped):
+                waiting.prepend_request(request)
 
         new_reqs_data = [
             NewRequestData(
