@@ -146,3 +146,11 @@ def test_save_sharded_state_round_trips(tiny_llama, tmp_path):
     _, got = engine_tokens(str(tmp_path / "saved"))
     _, ref = engine_tokens(tiny_llama)
     assert got == ref
+
+
+def test_batch_queue_on_the_real_runner_gives_same_tokens(tiny_llama, hot_path):
+    _, one = engine_tokens(tiny_llama)
+    eng, two = engine_tokens(tiny_llama, max_concurrent_batches=2)
+    assert eng.batch_queue is not None and eng.model_executor.max_concurrent_batches == 2
+    assert two == one
+    eng.shutdown()

@@ -72,6 +72,8 @@ class Request:
         "ignore_eos",
         "current_wave",
         "pooling_params",
+        "grammar",
+        "grammar_error",
     )
 
     def __init__(
@@ -111,6 +113,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.current_wave = current_wave
         self.pooling_params = pooling_params
+        # llguidance matcher for structured outputs (set by EngineCore.preprocess_add_request).
+        self.grammar = None
+        self.grammar_error: str | None = None
         # Hot fields copied out of sampling_params: read every step.
         self.max_tokens = sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens

@@ -7,6 +7,44 @@ import msgspec
 _MAX_SEED = 2**63 - 1
 
 
+class StructuredOutputsParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):  # type: ignore[call-arg]
+    """A constraint on the generated text; set exactly one field.
+
+    ``json``: a JSON schema (as JSON text or a dict); ``regex``: a regular
+    expression; ``choice``: the allowed strings; ``grammar``: a Lark or
+    GBNF/EBNF grammar. Compiled with llguidance off the busy loop.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, "
+                             f"grammar; got {given or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("StructuredOutputsParams.choice must not be empty")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): the compile-cache key."""
+        import json as _json
+
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json,
+                                                                           sort_keys=True)
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        return "grammar", self.grammar or ""
+
+
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):  # type: ignore[call-arg]
@@ -30,6 +68,7 @@ class SamplingParams(
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, must: str) -> ValueError:

@@ -7,6 +7,7 @@ In-process users call ``add_request`` / ``step`` directly; ``EngineCoreProc``
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest, LoRAReques
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 from enginecore.sched.scheduler import PauseState, Scheduler
+from enginecore.sched.structured_output import StructuredOutputError, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,12 @@ class EngineCore:
         self._hash_algo = cc.prefix_caching_hash_algo
         self._enable_hashes = cc.enable_prefix_caching
         self._tasks = self.get_supported_tasks()
+        path = mc.model_path
+        tok_json = os.path.join(path, "tokenizer.json") if path else None
+        self.structured_output = StructuredOutputManager(
+            tok_json if tok_json and os.path.exists(tok_json) else None, mc.vocab_size,
+            mc.eos_token_id)
+        self.scheduler.structured_output = self.structured_output
         self._max_batched = config.scheduler_config.max_num_batched_tokens
 
     # -- start-up -------------------------------------------------------------------
@@ -135,7 +143,17 @@ class EngineCore:
             request, self._eos_token_id, self._block_size, self._hash_algo,
             self._enable_hashes and self._fits(request) is None,
         )
+        self._compile_grammar(req)
         return req, request.current_wave
+
+    def _compile_grammar(self, req: Request) -> None:
+        so = req.sampling_params.structured_outputs
+        if so is None or req.grammar is not None or req.grammar_error is not None:
+            return
+        try:
+            req.grammar = self.structured_output.compile(so)
+        except StructuredOutputError as e:
+            req.grammar_error = str(e)
 
     def _fits(self, request: EngineCoreRequest | Request) -> str | None:
         """Why the request cannot run, or None when it can."""
@@ -169,7 +187,8 @@ class EngineCore:
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already live; rejected")
-        reason = self._fits(request)
+        self._compile_grammar(request)
+        reason = self._fits(request) or request.grammar_error
         if reason is None and request.lora_request is not None:
             reason = self._load_lora_for(request)
         if reason is not None:
@@ -291,7 +310,8 @@ class EngineCore:
             requests = self.scheduler.requests
             for rid, tokens in drafts.items():
                 req = requests.get(rid)
-                if req is not None and not req.is_finished():
+                # Constrained requests take no drafts: the grammar state must not run ahead.
+                if req is not None and not req.is_finished() and req.grammar is None:
                     req.spec_token_ids = tokens
 
     def _drain_batch_queue(self) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 import json
 import logging
 import os
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -58,6 +59,17 @@ class UniProcExecutor(Executor):
             self.runner = ModelRunner(self.config)
         self.runner.load_model()
         self._kv_config: KVCacheConfig | None = None
+        self._max_batches = self.config.executor_config.max_concurrent_batches
+        # With a batch queue, batches run in order on one model thread, so the
+        # engine schedules the next batch while torch computes this one.
+        self._pool: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(1, thread_name_prefix="enginecore-model")
+            if self._max_batches > 1 else None)
+        self._lock = threading.Lock()
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self._max_batches
 
     def get_kv_cache_specs(self) -> KVCacheSpec:
         if self.config.model_config.task == "embed":
@@ -113,21 +125,29 @@ class UniProcExecutor(Executor):
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future:
+        if non_block and self._pool is not None:
+            return self._pool.submit(self._execute, scheduler_output)
+        output = self._execute(scheduler_output)
+        return completed_future(output) if non_block else output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
-            output = self.runner.execute_model(scheduler_output)
+            with self._lock:
+                return self.runner.execute_model(scheduler_output)
         except BaseException:
             self._mark_failed()
             raise
-        return completed_future(output) if non_block else output
 
     def execute_dummy_batch(self) -> None:
         self.runner.dummy_forward(1)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self.runner.add_lora(lora_request)
+        with self._lock:  # not while a batch on the model thread reads the slots
+            return self.runner.add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.runner.remove_lora(lora_id)
+        with self._lock:
+            return self.runner.remove_lora(lora_id)
 
     def list_loras(self) -> set[int]:
         return self.runner.list_loras() if hasattr(self.runner, "list_loras") else set()
@@ -208,4 +228,7 @@ class UniProcExecutor(Executor):
         logger.info("saved %d weight shards to %s", len(shards), path)
 
     def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         self.runner.free_kv_cache()

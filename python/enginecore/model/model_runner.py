@@ -62,6 +62,7 @@ class ModelRunner:
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max) if spec.enabled else None)
         self._drafts: dict[str, list[int]] = {}
+        self._grammar_bitmask: dict = {}
         lc = config.lora_config
         self.lora_config = lc
         self.loras: LoRASlots[LoRAWeights] = LoRASlots(lc.max_loras)
@@ -137,6 +138,7 @@ class ModelRunner:
         computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        self._grammar_bitmask = so.grammar_bitmask
         input_ids, positions, meta, groups, lora_ranges = self._prepare(so, computed)
         lora = self._lora_batch(lora_ranges) if lora_ranges else None
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
@@ -154,13 +156,14 @@ class ModelRunner:
         assert self.model is not None
         flat: list[int] = []
         rows: list[SamplingRow] = []
+        masks = self._grammar_bitmask
         for first, _, st, drafts in groups:
             outputs = st.token_ids[st.num_prompt:]
             for j in range(len(drafts) + 1):
                 flat.append(first + j)
                 rows.append(SamplingRow(st.params, st.token_ids[: st.num_prompt],
                                         outputs + drafts[:j], len(st.token_ids) + j,
-                                        self.eos_token_id))
+                                        self.eos_token_id, masks.get(st.req_id)))
         idx = torch.tensor(flat, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
         out = self.sampler(logits, rows)

@@ -25,6 +25,8 @@ class SamplingRow:
     output_ids: list[int]
     position: int  # index the sampled token will have in the sequence
     eos_token_id: int | None
+    # Structured outputs: allowed tokens as int32 bit words (bit i of word w = token 32w+i).
+    allowed_bitmask: object | None = None
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [N, V] float32, one row per request that samples this step."""
         raw = logits
+        logits = self._apply_bitmasks(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
         greedy_tokens = logits.argmax(dim=-1)
@@ -65,6 +68,22 @@ class Sampler:
         return SamplerOutput(token_list, logprobs)
 
     # -- logits processing ---------------------------------------------------------------
+    @staticmethod
+    def _apply_bitmasks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        which = [i for i, r in enumerate(rows) if r.allowed_bitmask is not None]
+        if not which:
+            return logits
+        import numpy as np
+
+        words = torch.from_numpy(np.stack([rows[i].allowed_bitmask for i in which]))
+        bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        V = logits.shape[1]
+        allowed = bits.reshape(len(which), -1)[:, :V].bool()
+        logits = logits.clone()
+        idx = torch.tensor(which, dtype=torch.long)
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return logits
+
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         which = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not which:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
@@ -52,6 +53,9 @@ class SchedulerOutput:
     # Preempted this step: the runner drops their state; they come back as new.
     preempted_req_ids: set[str]
     step_id: int = 0
+    # Structured outputs: allowed-token bitmask (int32 words) of each constrained
+    # request that samples this step, computed from its grammar state.
+    grammar_bitmask: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

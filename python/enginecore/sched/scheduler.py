@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections.abc import Iterable
+from typing import Any
 
 from enginecore.config import EngineConfig
 from enginecore.protocol import (
@@ -87,6 +87,7 @@ class Scheduler:
         self.track_in_flight = track_in_flight
         self.in_flight: set[str] = set()
         self.pause_state = PauseState.UNPAUSED
+        self.structured_output: Any = None  # set by EngineCore when a model has a tokenizer
         self.step_counter = 0
         self.num_preempted_total = 0
         self.spec_num_draft_tokens = 0
@@ -294,6 +295,8 @@ class Scheduler:
             for request in reversed(skipped):
                 waiting.prepend_request(request)
 
+        grammar_bitmask = self._grammar_bitmasks(scheduled_running, scheduled_new,
+                                                 num_scheduled_tokens, spec_tokens)
         new_reqs_data = [
             NewRequestData(
                 req_id=r.request_id,
@@ -322,6 +325,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
             step_id=self.step_counter,
+            grammar_bitmask=grammar_bitmask,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -335,6 +339,18 @@ class Scheduler:
         if self.log_stats:
             self.last_iteration = self._iteration_details(output, scheduled_new, len(preempted))
         return output
+
+    def _grammar_bitmasks(self, running, new, num_scheduled, spec_tokens) -> dict:
+        """Bitmasks for constrained requests that sample this step. A request is in at
+        most one batch in flight, so its grammar state already includes every token
+        it accepted: the mask is right even with a batch queue."""
+        masks = {}
+        for r in (*running, *new):
+            if r.grammar is None:
+                continue
+            if r.num_computed_tokens + num_scheduled[r.request_id] >= len(r.all_token_ids):
+                masks[r.request_id] = self.structured_output.bitmask(r.grammar)
+        return masks
 
     def preempt_all(self) -> int:
         """Preempt every running request (their KV cache is about to go away)."""
@@ -419,6 +435,12 @@ class Scheduler:
                 self.spec_num_accepted_tokens += len(new_token_ids) - 1
             if not new_token_ids:
                 continue
+            grammar = request.grammar
+            # A finished grammar allows only EOS, which it does not consume.
+            if grammar is not None and not grammar.is_stopped() and not grammar.consume_tokens(
+                    new_token_ids):
+                logger.error("request %s: token %s rejected by its grammar: %s", rid,
+                             new_token_ids, request.grammar.get_error())
             stop = False
             if len(new_token_ids) == 1:
                 request.append_output_token_ids(new_token_ids)

@@ -1,0 +1,93 @@
+"""Structured outputs (llguidance) with the default model: JSON schema, regex,
+choice, grammar; identical greedy output with a batch queue; bad constraints
+fail only their request."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from enginecore import SamplingParams
+from enginecore.entrypoints.llm import LLM
+from enginecore.sampling_params import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and city."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(max_model_len=1024, kv_cache_memory_bytes=128 << 20) as engine:
+        yield engine
+
+
+def test_json_schema_20_generations_validate(llm):
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
+              for i in range(20)]
+    outs = llm.chat([ASK] * 20, params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 1  # sampling still samples inside the constraint
+
+
+def test_regex_and_choice_hold_on_every_output(llm):
+    regex = r"\d{3}-\d{4}"
+    outs = llm.generate(["Call me at"] * 8, [SamplingParams(
+        max_tokens=20, temperature=1.0, seed=i,
+        structured_outputs=StructuredOutputsParams(regex=regex)) for i in range(8)],
+        use_tqdm=False)
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+    choices = ["yes", "no", "maybe"]
+    outs = llm.generate(["Is Paris in France? Answer:"] * 8, [SamplingParams(
+        max_tokens=10, temperature=1.0, seed=i,
+        structured_outputs=StructuredOutputsParams(choice=choices)) for i in range(8)],
+        use_tqdm=False)
+    assert all(o.outputs[0].text in choices for o in outs)
+    grammar = 'start: "A" ("B" | "C")+ "."'
+    (out,) = llm.generate(["Letters:"], SamplingParams(
+        max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(grammar=grammar)),
+        use_tqdm=False)
+    assert re.fullmatch(r"A[BC]+\.", out.outputs[0].text)
+
+
+def test_invalid_schema_fails_only_that_request(llm):
+    outs = llm.generate(["a", "b"], [
+        SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json="{bad")),
+        SamplingParams(max_tokens=5, temperature=0),
+    ], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "invalid json constraint" in outs[0].outputs[0].stop_reason
+    assert outs[1].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+
+
+def test_greedy_constrained_identical_with_batch_queue():
+    params = SamplingParams(max_tokens=120, temperature=0,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    texts = {}
+    for batches in (1, 2):
+        with LLM(multiprocess_mode=False, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+                 max_concurrent_batches=batches) as llm:
+            outs = llm.chat([ASK, [{"role": "user", "content": "A JSON person from Rome."}]],
+                            params, use_tqdm=False)
+            texts[batches] = [o.outputs[0].text for o in outs]
+    assert texts[1] == texts[2]
+    for t in texts[1]:
+        jsonschema.validate(json.loads(t), SCHEMA)
