@@ -102,14 +102,19 @@ class LoRABatch:
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int,
               targets: tuple[tuple[str, int, int], ...]) -> None:
         """out[:, start:end] += scale * x @ A^T @ B^T for each (target, start, end)."""
+        T = x.shape[0]
         for idx, lw in self.groups:
             mods = lw.layers[layer]
-            xs = None
+            whole = idx.numel() == T  # every token on this adapter: no gather/scatter
+            xs = x if whole else None
             for target, start, end in targets:
                 ab = mods.get(target)
                 if ab is None:
                     continue
                 if xs is None:
                     xs = x.index_select(0, idx)
-                delta = (xs @ ab[0].T) @ ab[1].T * lw.scaling
-                out[idx, start:end] += delta
+                delta = (xs @ ab[0].T) @ ab[1].T
+                if whole:
+                    out[:, start:end].add_(delta, alpha=lw.scaling)
+                else:
+                    out[idx, start:end] += delta * lw.scaling
