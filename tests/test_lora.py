@@ -180,3 +180,39 @@ def test_lora_and_spec_decode_through_the_process(base, adapters):
     assert got["a"] == peft_greedy(base, adapters["a"], PROMPTS["a"], 10)
     assert got["none"] == peft_greedy(base, None, PROMPTS["none"] * 3, 10)
     assert stats.spec_num_draft_tokens > 0
+
+
+def test_sleep_and_wake_through_the_process_keep_tokens(base):
+    from enginecore.client import SyncMPClient
+
+    cfg = EngineArgs(model=base, dtype="float32", block_size=4, max_model_len=128,
+                     kv_cache_memory_bytes=16 << 20).create_engine_config()
+    c = SyncMPClient(cfg)
+
+    def tokens(rid):
+        c.add_request(req(rid, PROMPTS["b"]))
+        out: list[int] = []
+        while True:
+            for o in c.get_output(timeout=60).outputs:
+                out.extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    return out
+
+    try:
+        before = tokens("x")
+        c.call_utility("sleep", 2)
+        assert c.call_utility("is_sleeping") is True
+        c.add_request(req("asleep", PROMPTS["b"]))  # waits, is not lost
+        c.call_utility("wake_up", None)
+        got: list[int] = []
+        while True:
+            outs = c.get_output(timeout=60).outputs
+            done = False
+            for o in outs:
+                got.extend(o.new_token_ids)
+                done = done or o.finish_reason is not None
+            if done:
+                break
+        assert got == before
+    finally:
+        c.shutdown()

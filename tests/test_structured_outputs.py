@@ -91,3 +91,12 @@ def test_greedy_constrained_identical_with_batch_queue():
     assert texts[1] == texts[2]
     for t in texts[1]:
         jsonschema.validate(json.loads(t), SCHEMA)
+
+
+def test_structured_outputs_on_both_paths_in_process(hot_path):
+    with LLM(multiprocess_mode=False, max_model_len=512, kv_cache_memory_bytes=32 << 20) as llm:
+        (out,) = llm.generate(["Answer:"], SamplingParams(
+            max_tokens=8, temperature=0,
+            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])),
+            use_tqdm=False)
+    assert out.outputs[0].text in ("alpha", "beta")

@@ -165,6 +165,10 @@ class UniProcExecutor(Executor):
         self.runner.free_kv_cache()
         if level == 2:
             self.runner.unload_model()
+        elif self.runner.device.type == "cuda" and hasattr(self.runner.model, "to_device"):
+            # Level 1 on CUDA: weights wait in host memory, the device is free.
+            self.runner.model.to_device(torch.device("cpu"))
+            self._weights_offloaded = True
         gc.collect()
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -178,6 +182,9 @@ class UniProcExecutor(Executor):
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
         if "weights" in tags and self.runner.model is None:
             self.runner.load_model()
+        if "weights" in tags and getattr(self, "_weights_offloaded", False):
+            self.runner.model.to_device(self.runner.device)
+            self._weights_offloaded = False
         if "kv_cache" in tags and not self.runner.kv_caches and self._kv_config is not None:
             self.runner.allocate_kv_cache(self._kv_config.num_blocks)
         if self.runner.model is not None and self.runner.kv_caches:

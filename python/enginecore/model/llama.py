@@ -136,6 +136,21 @@ class LlamaForCausalLM:
             out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u}
         return {k: v.contiguous() for k, v in out.items()}
 
+    def to_device(self, device: torch.device) -> None:
+        """Move every weight (sleep level 1 on CUDA parks them in host memory)."""
+        tied = self.lm_head is self.embed
+        self.embed = self.embed.to(device)
+        self.norm = self.norm.to(device)
+        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        for layer in self.layers:
+            for name in LlamaLayer.__slots__:
+                t = getattr(layer, name)
+                if t is not None:
+                    setattr(layer, name, t.to(device))
+        self.cos = self.cos.to(device)
+        self.sin = self.sin.to(device)
+        self.device = device
+
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_dict_hf().values())
 
