@@ -28,10 +28,8 @@ class BlockingQueue {
   }
 
   py::object get_nowait() {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (items_.empty()) throw_empty();
-    py::object item = std::move(items_.front());
-    items_.pop_front();
+    py::object item;
+    if (!try_pop(item)) throw_empty();
     return item;
   }
 
@@ -44,15 +42,9 @@ class BlockingQueue {
         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
             std::chrono::duration<double>(forever ? 0.0 : timeout.cast<double>()));
     while (true) {
-      {
-        // Fast path: an item is there; keep the GIL (giving it up costs a switch).
-        std::lock_guard<std::mutex> lk(mu_);
-        if (!items_.empty()) {
-          py::object item = std::move(items_.front());
-          items_.pop_front();
-          return item;
-        }
-      }
+      // Fast path: an item is there; keep the GIL (giving it up costs a switch).
+      py::object item;
+      if (try_pop(item)) return item;
       bool ready;
       {
         py::gil_scoped_release nogil;
@@ -61,14 +53,7 @@ class BlockingQueue {
         if (!forever && deadline < until) until = deadline;
         ready = cv_.wait_until(lk, until, [this] { return !items_.empty(); });
       }
-      if (ready) {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (!items_.empty()) {
-          py::object item = std::move(items_.front());
-          items_.pop_front();
-          return item;
-        }
-      }
+      if (ready && try_pop(item)) return item;
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
       if (!forever && std::chrono::steady_clock::now() >= deadline) throw_empty();
     }
@@ -88,6 +73,15 @@ class BlockingQueue {
   size_t maxsize() const { return maxsize_; }
 
  private:
+  // Pops the oldest item into `out`; the GIL must be held (refcounts change).
+  bool try_pop(py::object& out) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (items_.empty()) return false;
+    out = std::move(items_.front());
+    items_.pop_front();
+    return true;
+  }
+
   [[noreturn]] static void throw_empty() {
     PyErr_SetNone(py::module_::import("queue").attr("Empty").ptr());
     throw py::error_already_set();

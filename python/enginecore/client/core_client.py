@@ -24,6 +24,13 @@ class EngineCoreClient(abc.ABC):
         process with a sync or an asyncio client."""
         if asyncio_mode and not multiprocess_mode:
             raise ValueError("asyncio_mode needs multiprocess_mode=True")
+        pc = config.parallel_config
+        if pc.data_parallel_size > 1 and not multiprocess_mode:
+            raise ValueError("data_parallel_size > 1 needs multiprocess_mode=True "
+                             "(one engine process per rank)")
+        if pc.data_parallel_backend == "ray":
+            raise NotImplementedError(
+                "data_parallel_backend='ray' is not implemented yet; use 'mp' (one machine)")
         if multiprocess_mode:
             from enginecore.client.mp_client import AsyncMPClient, SyncMPClient
 

@@ -79,6 +79,25 @@ class _Addresses:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def rank_devices(config: EngineConfig) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES for each local DP rank (None on CPU). Checked here,
+    before any engine touches a device, with an error when the ranks do not fit."""
+    dp = config.parallel_config.data_parallel_size
+    if dp == 1 or not config.model_config.device.startswith("cuda"):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    if len(ids) < dp:
+        raise ValueError(f"data_parallel_size={dp} needs {dp} devices, but only {len(ids)} are "
+                         f"visible (CUDA_VISIBLE_DEVICES={visible!r})")
+    return ids[:dp]
+
+
 class MPClient(EngineCoreClient):
     def __init__(
         self,
@@ -97,7 +116,7 @@ class MPClient(EngineCoreClient):
         self._owner = True
         self._addresses = _Addresses(transport)
         self.ctx = zmq.Context()
-        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.procs: list[multiprocessing.process.BaseProcess] = []
         self._front_ends: list[tuple[zmq.Socket, zmq.Socket, str, str]] = []
         try:
             for i in range(client_count):
@@ -120,8 +139,13 @@ class MPClient(EngineCoreClient):
     def _init_common(self, config: EngineConfig, client_index: int) -> None:
         self.config = config
         self.engine_index = 0
+        self.num_engines = config.parallel_config.data_parallel_size
+        self.identities = [engine_identity(i) for i in range(self.num_engines)]
+        self.identity = self.identities[0]
+        # Internal load balancing: live requests per engine, and who owns which.
+        self._load = [0] * self.num_engines
+        self._engine_of: dict[str, int] = {}
         self.client_index = client_index
-        self.identity = engine_identity(self.engine_index)
         self._dead = False
         self._closed = False
         self._call_ids = itertools.count(1)
@@ -142,7 +166,7 @@ class MPClient(EngineCoreClient):
         other._owner = False
         other._primary = self
         other.ctx = self.ctx
-        other.proc = self.proc
+        other.procs = self.procs
         other._front_ends = []
         (other.input_socket, other.output_socket, other.input_address,
          other.output_address) = self._front_ends[client_index]
@@ -152,8 +176,14 @@ class MPClient(EngineCoreClient):
     def _post_init(self) -> None:
         """Set-up of the subclasses (output reader); runs for attached clients too."""
 
+    @property
+    def proc(self) -> multiprocessing.process.BaseProcess | None:
+        """The (first) engine process."""
+        return self.procs[0] if self.procs else None
+
     # -- start-up ----------------------------------------------------------------------------
     def _start_engine(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
+        """Spawn one engine per data-parallel rank and run the handshake with all."""
         from enginecore.core.engine_core_proc import run_engine_core
 
         handshake = self.ctx.socket(zmq.ROUTER)
@@ -164,77 +194,93 @@ class MPClient(EngineCoreClient):
                 logging.getLogger().getEffectiveLevel())
             config = self.config
             if config.use_native is None:
-                # The engine follows this process's hot-path choice (env or set_native).
+                # The engines follow this process's hot-path choice (env or set_native).
                 config = dataclasses.replace(config, use_native=_native._enabled and
                                              _native._ext is not None)
+            devices = rank_devices(config)
             ctx = multiprocessing.get_context("spawn")
-            self.proc = ctx.Process(
-                target=run_engine_core, name=f"EngineCore_{self.engine_index}",
-                kwargs=dict(config=config, handshake_address=hs_address,
-                            executor_class=executor_class, log_stats=log_stats,
-                            engine_index=self.engine_index, handshake_timeout_s=timeout_s,
-                            parent_pid=os.getpid(), log_level=level),
-                daemon=True)
-            self.proc.start()
-            decoder = msgspec.msgpack.Decoder(HandshakeMessage)
-            encoder = msgspec.msgpack.Encoder()
-            hello = self._await_handshake(handshake, decoder, timeout_s, "HELLO")
-            if not isinstance(hello, HandshakeHello):
-                raise RuntimeError(f"engine {self.engine_index}: expected HELLO, got {hello!r}")
-            handshake.send_multipart([self.identity, encoder.encode(HandshakeInit(
-                [fe[2] for fe in self._front_ends], [fe[3] for fe in self._front_ends],
-                self.config.parallel_config.data_parallel_rank,
-                self.config.parallel_config.data_parallel_size))])
-            ready = self._await_handshake(handshake, decoder, timeout_s, "READY")
-            if isinstance(ready, HandshakeFailed):
-                raise RuntimeError(f"engine {ready.engine_index} failed to start: {ready.error}")
-            if not isinstance(ready, HandshakeReady):
-                raise RuntimeError(f"engine {self.engine_index}: expected READY, got {ready!r}")
-            self.num_gpu_blocks = ready.num_gpu_blocks
-            self.max_model_len = ready.max_model_len
-            # The engine's input sockets say hello once connected; only then can we route.
+            for rank in range(self.num_engines):
+                rank_config = dataclasses.replace(
+                    config, parallel_config=dataclasses.replace(
+                        config.parallel_config, data_parallel_rank=rank))
+                proc = ctx.Process(
+                    target=run_engine_core, name=f"EngineCore_DP{rank}",
+                    kwargs=dict(config=rank_config, handshake_address=hs_address,
+                                executor_class=executor_class, log_stats=log_stats,
+                                engine_index=rank, handshake_timeout_s=timeout_s,
+                                parent_pid=os.getpid(), log_level=level,
+                                visible_devices=devices[rank] if devices else None),
+                    daemon=True)
+                proc.start()
+                self.procs.append(proc)
+            self._handshake_all(handshake, timeout_s)
+            # Each engine's input sockets say hello once connected; only then can we route.
             for i, (inp, _, _, _) in enumerate(self._front_ends):
-                if not inp.poll(int(timeout_s * 1000)):
-                    raise TimeoutError(f"engine {self.engine_index} did not connect its input "
-                                       f"socket for front-end {i}")
-                inp.recv_multipart()
+                for _ in range(self.num_engines):
+                    if not inp.poll(int(timeout_s * 1000)):
+                        raise TimeoutError(f"an engine did not connect its input socket for "
+                                           f"front-end {i} within {timeout_s:g} s")
+                    inp.recv_multipart()
         finally:
             handshake.close(linger=0)
 
-    def _await_handshake(self, sock, decoder, timeout_s: float, what: str):
+    def _handshake_all(self, handshake: zmq.Socket, timeout_s: float) -> None:
+        decoder = msgspec.msgpack.Decoder(HandshakeMessage)
+        encoder = msgspec.msgpack.Encoder()
+        pc = self.config.parallel_config
+        init = encoder.encode(HandshakeInit(
+            [fe[2] for fe in self._front_ends], [fe[3] for fe in self._front_ends],
+            pc.data_parallel_rank, pc.data_parallel_size))
+        said_hello: set[int] = set()
+        ready: dict[int, HandshakeReady] = {}
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if sock.poll(200):
-                _, payload = sock.recv_multipart()
-                return decoder.decode(payload)
-            if self.proc is not None and not self.proc.is_alive():
-                raise RuntimeError(
-                    f"engine {self.engine_index} (pid {self.proc.pid}) exited with code "
-                    f"{self.proc.exitcode} before sending {what}; see its log above")
-        raise TimeoutError(
-            f"engine {self.engine_index} (pid {self.proc.pid if self.proc else '?'}) did not send "
-            f"{what} within {timeout_s:.0f} s (handshake_timeout_s)")
+        while len(ready) < self.num_engines:
+            if time.monotonic() > deadline:
+                missing = ", ".join(
+                    f"engine {i} (pid {self.procs[i].pid}) did not send "
+                    f"{'READY' if i in said_hello else 'HELLO'}"
+                    for i in range(self.num_engines) if i not in ready)
+                raise TimeoutError(f"handshake timed out after {timeout_s:g} s "
+                                   f"(handshake_timeout_s): {missing}")
+            for i, proc in enumerate(self.procs):
+                if i not in ready and not proc.is_alive():
+                    raise RuntimeError(
+                        f"engine {i} (pid {proc.pid}) exited with code {proc.exitcode} before "
+                        f"sending {'READY' if i in said_hello else 'HELLO'}; see its log above")
+            if not handshake.poll(200):
+                continue
+            identity, payload = handshake.recv_multipart()
+            msg = decoder.decode(payload)
+            if isinstance(msg, HandshakeHello):
+                said_hello.add(msg.engine_index)
+                handshake.send_multipart([identity, init])
+            elif isinstance(msg, HandshakeReady):
+                ready[msg.engine_index] = msg
+            elif isinstance(msg, HandshakeFailed):
+                raise RuntimeError(f"engine {msg.engine_index} failed to start: {msg.error}")
+        self.num_gpu_blocks = ready[0].num_gpu_blocks
+        self.max_model_len = ready[0].max_model_len
 
     def _start_monitor(self) -> None:
         """Turn the engine process dying into ENGINE_CORE_DEAD on our own output socket."""
-        assert self.proc is not None
-        sentinel = self.proc.sentinel
+        sentinels = {p.sentinel: p for p in self.procs}
         self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
         stop_r = self._monitor_stop_r
         output_addresses = [fe[3] for fe in self._front_ends]
         ctx = self.ctx
         self_ref = weakref.ref(self)
-        proc = self.proc
 
         def monitor() -> None:
-            ready = multiprocessing.connection.wait([sentinel, stop_r])
+            ready = multiprocessing.connection.wait([*sentinels, stop_r])
             if stop_r in ready:
                 return
             client = self_ref()
             if client is None or client._closed:
                 return
-            logger.error("engine %d (pid %s) died with exit code %s", client.engine_index,
-                         proc.pid, proc.exitcode)
+            for sentinel in ready:
+                proc = sentinels[sentinel]
+                logger.error("engine %s (pid %s) died with exit code %s", proc.name, proc.pid,
+                             proc.exitcode)
             client._dead = True
             for address in output_addresses:
                 try:
@@ -256,27 +302,99 @@ class MPClient(EngineCoreClient):
         if self._closed:
             raise RuntimeError("the client is shut down")
 
-    def _register(self, request: EngineCoreRequest) -> None:
+    def _register(self, request: EngineCoreRequest) -> bytes:
+        """Track a new request and pick its engine (least loaded); its identity."""
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
         with self._live_lock:
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already live")
             self._live.add(request.request_id)
+            engine = request.data_parallel_rank
+            if engine is None or not 0 <= engine < self.num_engines:
+                engine = min(range(self.num_engines), key=self._load.__getitem__)
+            self._load[engine] += 1
+            self._engine_of[request.request_id] = engine
         request.client_index = self.client_index
+        return self.identities[engine]
 
     def _forget_finished(self, outs: EngineCoreOutputs) -> None:
         finished = [o.request_id for o in outs.outputs if o.finish_reason is not None]
         if finished:
             with self._live_lock:
                 self._live.difference_update(finished)
+                for rid in finished:
+                    engine = self._engine_of.pop(rid, None)
+                    if engine is not None:
+                        self._load[engine] -= 1
 
-    def _utility_frames(self, method: str, args: tuple) -> tuple[int, list[bytes]]:
+    def _forget(self, request_id: str) -> None:
+        with self._live_lock:
+            self._live.discard(request_id)
+            engine = self._engine_of.pop(request_id, None)
+            if engine is not None:
+                self._load[engine] -= 1
+
+    def _abort_frames(self, request_ids: list[str]) -> list[list[bytes]]:
+        """One ABORT per engine that owns some of the ids (unknown ids go to all)."""
+        per_engine: dict[int, list[str]] = {}
+        with self._live_lock:
+            for rid in request_ids:
+                owner = self._engine_of.get(rid)
+                targets = [owner] if owner is not None else range(self.num_engines)
+                for e in targets:
+                    per_engine.setdefault(e, []).append(rid)
+        return [[self.identities[e], _ABORT, self._encoder.encode(ids)]
+                for e, ids in per_engine.items()]
+
+    def _utility_frames(self, method: str, args: tuple) -> tuple[int, list[list[bytes]]]:
+        """The same call to every engine (data parallel: pause, sleep, ... apply to all)."""
         signature_of(method)  # refuse early, locally, what the engine would refuse
         call_id = next(self._call_ids)
         payload = self._encoder.encode(
             UtilityRequest(self.client_index, call_id, method, list(args)))
-        return call_id, [self.identity, _UTILITY, payload]
+        return call_id, [[ident, _UTILITY, payload] for ident in self.identities]
+
+    def _utility_reply(self, pending: dict, outs: EngineCoreOutputs) -> tuple[Any, Any] | None:
+        """Collect one engine's reply; once every engine answered, (future, outcome)
+        where outcome is an exception or engine 0's converted result."""
+        u = outs.utility_output
+        entry = pending.get(u.call_id)
+        if entry is None:
+            return None
+        entry[2] -= 1
+        if u.failure_message is not None and entry[3] is None:
+            entry[3] = RuntimeError(u.failure_message)
+        if outs.engine_index == 0 or self.num_engines == 1:
+            entry[4] = u.result.value if u.result else None
+        if entry[2] > 0:
+            return None
+        del pending[u.call_id]
+        method, fut, _, failure, value = entry
+        if failure is not None:
+            return fut, failure
+        try:
+            return fut, convert_result(method, value)
+        except Exception as e:  # noqa: BLE001
+            return fut, e
+
+    def _fail_pending(self, queue_put) -> None:
+        """The engine is dead: every waiter (outputs, utility calls) learns it now."""
+        self._dead = True
+        queue_put(EngineDeadError())
+        for entry in list(self._pending.values()):
+            if not entry[1].done():
+                entry[1].set_exception(EngineDeadError())
+        self._pending.clear()
+
+    def _settle_utility(self, outs: EngineCoreOutputs) -> None:
+        done = self._utility_reply(self._pending, outs)
+        if done is not None and not done[0].done():
+            fut, outcome = done
+            if isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
 
     # -- shutdown --------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -287,12 +405,13 @@ class MPClient(EngineCoreClient):
             return
         if hasattr(self, "_monitor_stop_w"):
             self._monitor_stop_w.send(b"x")
-        proc = self.proc
-        if proc is not None and proc.is_alive():
-            proc.terminate()  # SIGTERM: the engine shuts down cleanly
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()  # SIGTERM: the engine shuts down cleanly
+        for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():
-                logger.warning("engine %d ignored SIGTERM; killing it", self.engine_index)
+                logger.warning("%s ignored SIGTERM; killing it", proc.name)
                 proc.kill()
                 proc.join(timeout=5)
         self._close_sockets()
@@ -309,7 +428,8 @@ class SyncMPClient(MPClient):
 
     def _post_init(self) -> None:
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
-        self._pending: dict[int, tuple[str, Future]] = {}
+        # call_id -> [method, future, replies still due, first failure, engine 0's value]
+        self._pending: dict[int, list] = {}
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True,
                                         name="enginecore-client-output")
@@ -326,39 +446,17 @@ class SyncMPClient(MPClient):
             except zmq.ZMQError:
                 break
             buf = frame.buffer
-            if bytes(buf[: len(ENGINE_CORE_DEAD)]) == ENGINE_CORE_DEAD and len(buf) == len(
-                    ENGINE_CORE_DEAD):
-                self._fail_all()
+            if len(buf) == len(ENGINE_CORE_DEAD) and bytes(buf) == ENGINE_CORE_DEAD:
+                self._fail_pending(self.outputs_queue.put_nowait)
                 break
             outs = decoder.decode(buf)
             if outs.utility_output is not None:
-                self._resolve_utility(outs)
+                self._settle_utility(outs)
                 continue
             self._forget_finished(outs)
             self.outputs_queue.put_nowait(outs)
 
-    def _fail_all(self) -> None:
-        self._dead = True
-        self.outputs_queue.put_nowait(EngineDeadError())
-        for _, fut in list(self._pending.values()):
-            if not fut.done():
-                fut.set_exception(EngineDeadError())
-        self._pending.clear()
 
-    def _resolve_utility(self, outs: EngineCoreOutputs) -> None:
-        u = outs.utility_output
-        assert u is not None
-        entry = self._pending.pop(u.call_id, None)
-        if entry is None:
-            return
-        method, fut = entry
-        if u.failure_message is not None:
-            fut.set_exception(RuntimeError(u.failure_message))
-        else:
-            try:
-                fut.set_result(convert_result(method, u.result.value if u.result else None))
-            except Exception as e:  # noqa: BLE001
-                fut.set_exception(e)
 
     def _send(self, frames: list[bytes]) -> None:
         self._check_alive()
@@ -369,17 +467,16 @@ class SyncMPClient(MPClient):
                 raise EngineDeadError(f"could not send to the engine: {e}") from e
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._register(request)
+        engine = self._register(request)
         try:
-            self._send([self.identity, _ADD, self._encoder.encode(request)])
+            self._send([engine, _ADD, self._encoder.encode(request)])
         except BaseException:
-            with self._live_lock:
-                self._live.discard(request.request_id)
+            self._forget(request.request_id)
             raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._send([self.identity, _ABORT, self._encoder.encode(list(request_ids))])
+        for frames in self._abort_frames(list(request_ids)):
+            self._send(frames)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         item = self.outputs_queue.get(timeout=timeout)
@@ -389,11 +486,13 @@ class SyncMPClient(MPClient):
         return item
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        call_id, frames = self._utility_frames(method, args)
+        """Run an allow-listed method on every engine; engine 0's result."""
+        call_id, per_engine = self._utility_frames(method, args)
         fut: Future = Future()
-        self._pending[call_id] = (method, fut)
+        self._pending[call_id] = [method, fut, len(per_engine), None, None]
         try:
-            self._send(frames)
+            for frames in per_engine:
+                self._send(frames)
         except BaseException:
             self._pending.pop(call_id, None)
             raise
@@ -419,7 +518,7 @@ class AsyncMPClient(MPClient):
         self._ainput = zmq.asyncio.Socket.from_socket(self.input_socket)
         self._aoutput = zmq.asyncio.Socket.from_socket(self.output_socket)
         self._queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
-        self._pending: dict[int, tuple[str, asyncio.Future]] = {}
+        self._pending: dict[int, list] = {}
         self._reader_task: asyncio.Task | None = None
 
     def _ensure_reader(self) -> None:
@@ -437,27 +536,11 @@ class AsyncMPClient(MPClient):
                 break
             buf = frame.buffer
             if len(buf) == len(ENGINE_CORE_DEAD) and bytes(buf) == ENGINE_CORE_DEAD:
-                self._dead = True
-                self._queue.put_nowait(EngineDeadError())
-                for _, fut in list(self._pending.values()):
-                    if not fut.done():
-                        fut.set_exception(EngineDeadError())
-                self._pending.clear()
+                self._fail_pending(self._queue.put_nowait)
                 break
             outs = decoder.decode(buf)
-            u = outs.utility_output
-            if u is not None:
-                entry = self._pending.pop(u.call_id, None)
-                if entry is not None and not entry[1].done():
-                    method, fut = entry
-                    if u.failure_message is not None:
-                        fut.set_exception(RuntimeError(u.failure_message))
-                    else:
-                        try:
-                            fut.set_result(convert_result(method, u.result.value if u.result
-                                                          else None))
-                        except Exception as e:  # noqa: BLE001
-                            fut.set_exception(e)
+            if outs.utility_output is not None:
+                self._settle_utility(outs)
                 continue
             self._forget_finished(outs)
             self._queue.put_nowait(outs)
@@ -471,17 +554,16 @@ class AsyncMPClient(MPClient):
             raise EngineDeadError(f"could not send to the engine: {e}") from e
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self._register(request)
+        engine = self._register(request)
         try:
-            await self._send([self.identity, _ADD, self._encoder.encode(request)])
+            await self._send([engine, _ADD, self._encoder.encode(request)])
         except BaseException:
-            with self._live_lock:
-                self._live.discard(request.request_id)
+            self._forget(request.request_id)
             raise
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids:
-            await self._send([self.identity, _ABORT, self._encoder.encode(list(request_ids))])
+        for frames in self._abort_frames(list(request_ids)):
+            await self._send(frames)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
@@ -493,11 +575,13 @@ class AsyncMPClient(MPClient):
         return item
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        call_id, frames = self._utility_frames(method, args)
+        """Run an allow-listed method on every engine; engine 0's result."""
+        call_id, per_engine = self._utility_frames(method, args)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = (method, fut)
+        self._pending[call_id] = [method, fut, len(per_engine), None, None]
         try:
-            await self._send(frames)
+            for frames in per_engine:
+                await self._send(frames)
         except BaseException:
             self._pending.pop(call_id, None)
             raise

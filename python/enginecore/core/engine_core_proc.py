@@ -345,8 +345,12 @@ def run_engine_core(
     handshake_timeout_s: float = 60.0,
     parent_pid: int | None = None,
     log_level: int = logging.WARNING,
+    visible_devices: str | None = None,
 ) -> None:
     """Entry point of the engine process."""
+    if visible_devices is not None:
+        # Before anything imports torch's CUDA runtime: this rank sees only its device.
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s engine{engine_index} "
                         "%(name)s: %(message)s")
 

@@ -1,0 +1,157 @@
+"""Data parallel, independent engines (dense models): DP=2 behind one load-
+balancing client. Lockstep waves, the coordinator and Ray are not built yet."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
+from enginecore import SamplingParams
+from enginecore.client import EngineCoreClient
+from enginecore.client.mp_client import rank_devices
+
+from helpers import run_to_completion, synthetic_engine
+
+N = 100
+
+
+def reqs():
+    return [EngineCoreRequest(f"d{i}", [i % 50 + 1, 7, i % 3 + 2],
+                              SamplingParams(max_tokens=5 + i % 9, seed=i)) for i in range(N)]
+
+
+def reference():
+    eng = synthetic_engine(block_size=4)
+    for r in reqs():
+        eng.add_request(r)
+    return {k: v["tokens"] for k, v in run_to_completion(eng).items()}
+
+
+def config(dp=2, **kw):
+    return EngineArgs(model="synthetic", block_size=4, data_parallel_size=dp,
+                      **kw).create_engine_config()
+
+
+def test_dp2_same_tokens_fair_share_nothing_left(hot_path):
+    c = EngineCoreClient.make_client(True, False, config(synthetic_step_latency_s=0.002))
+    try:
+        assert len(c.procs) == 2
+        for r in reqs():
+            c.add_request(r)
+        got: dict[str, list[int]] = {}
+        served = [0, 0]
+        done = 0
+        while done < N:
+            outs = c.get_output(timeout=30)
+            for o in outs.outputs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    done += 1
+                    served[outs.engine_index] += 1
+        assert got == reference()
+        assert min(served) >= 0.4 * N, served
+        assert c._load == [0, 0] and not c._live
+        assert c.call_utility("get_request_counts") == (0, 0)
+    finally:
+        c.shutdown()
+    assert not any(p.is_alive() for p in c.procs)
+
+
+def test_dp2_asyncio_and_pause_abort_on_every_rank():
+    async def main():
+        c = EngineCoreClient.make_client(True, True, config(synthetic_step_latency_s=0.01))
+        try:
+            for i in range(10):
+                await c.add_request_async(EngineCoreRequest(
+                    f"p{i}", [1, 2, i], SamplingParams(max_tokens=10**4, ignore_eos=True)))
+            await asyncio.sleep(0.2)
+            await c.call_utility_async("pause_scheduler", "abort")
+            reasons, ranks = {}, set()
+            while len(reasons) < 10:
+                outs = await asyncio.wait_for(c.get_output_async(), 10)
+                for o in outs.outputs:
+                    if o.finish_reason is not None:
+                        reasons[o.request_id] = o.finish_reason
+                        ranks.add(outs.engine_index)
+            assert set(reasons.values()) == {FinishReason.ABORT} and ranks == {0, 1}
+            assert await c.call_utility_async("is_scheduler_paused") is True
+            await c.call_utility_async("resume_scheduler")
+        finally:
+            c.shutdown()
+
+    asyncio.run(main())
+
+
+def test_killing_one_rank_is_engine_dead_fast_and_nothing_hangs():
+    c = EngineCoreClient.make_client(True, False, config(synthetic_step_latency_s=0.01))
+    try:
+        for i in range(4):
+            c.add_request(EngineCoreRequest(f"k{i}", [1, i], SamplingParams(max_tokens=10**4,
+                                                                            ignore_eos=True)))
+        c.get_output(timeout=10)
+        os.kill(c.procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            while True:
+                c.get_output(timeout=5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        c.shutdown()
+    assert not any(p.is_alive() for p in c.procs)
+
+
+def test_real_tiny_model_dp2(tmp_path):
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "m"), seed=4)
+    cfg = EngineArgs(model=path, dtype="float32", block_size=4, max_model_len=128,
+                     kv_cache_memory_bytes=16 << 20, data_parallel_size=2).create_engine_config()
+    single = EngineArgs(model=path, dtype="float32", block_size=4, max_model_len=128,
+                        kv_cache_memory_bytes=16 << 20).create_engine_config()
+    from enginecore import EngineCore
+
+    requests = [EngineCoreRequest(f"t{i}", [i + 3, 9, 11], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True)) for i in range(12)]
+    eng = EngineCore(single)
+    for r in requests:
+        eng.add_request(r)
+    expected = {k: v["tokens"] for k, v in run_to_completion(eng).items()}
+    c = EngineCoreClient.make_client(True, False, cfg)
+    try:
+        for r in requests:
+            c.add_request(r)
+        got: dict[str, list[int]] = {}
+        done = 0
+        while done < len(requests):
+            for o in c.get_output(timeout=60).outputs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                done += o.finish_reason is not None
+    finally:
+        c.shutdown()
+    assert got == expected
+
+
+def test_ranks_must_fit_the_visible_devices(monkeypatch):
+    cfg = config()
+    cfg = dataclasses.replace(cfg, model_config=dataclasses.replace(cfg.model_config,
+                                                                    device="cuda"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError, match="needs 2 devices, but only 1"):
+        rank_devices(cfg)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    assert rank_devices(cfg) == ["3", "5"]
+
+
+def test_unsupported_dp_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="multiprocess_mode"):
+        EngineCoreClient.make_client(False, False, config())
+    with pytest.raises(NotImplementedError, match="ray"):
+        EngineCoreClient.make_client(True, False, EngineArgs(
+            model="synthetic", data_parallel_size=2,
+            data_parallel_backend="ray").create_engine_config())
