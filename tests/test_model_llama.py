@@ -85,15 +85,15 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_llama):
 
 
 def test_decode_attention_is_batched(tiny_llama, monkeypatch):
-    """Many decodes in one step: one SDPA call per layer for all of them."""
+    """Many decodes in one step: one attention call per layer covers all of them."""
     import enginecore.model.attention as attn
 
     calls = []
-    real = attn.F.scaled_dot_product_attention
+    real = attn._decode
 
-    def counting(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
+    def counting(q, *a, **k):
+        calls.append(q.shape[0])
+        return real(q, *a, **k)
 
     eng = EngineCore(EngineArgs(model=tiny_llama, dtype="float32", block_size=4,
                                 max_model_len=128).create_engine_config())
@@ -101,10 +101,9 @@ def test_decode_attention_is_batched(tiny_llama, monkeypatch):
         eng.add_request(EngineCoreRequest(str(i), [i + 3, i + 4, 5], SamplingParams(
             max_tokens=4, temperature=0, ignore_eos=True)))
     eng.step()  # prefills
-    monkeypatch.setattr(attn.F, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(attn, "_decode", counting)
     eng.step()  # 16 decodes
-    assert len(calls) == 2  # one per layer
-    assert calls[0][0] == 16
+    assert calls == [16, 16]  # two layers, all 16 requests in each call
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
