@@ -387,6 +387,20 @@ class MPClient(EngineCoreClient):
                 entry[1].set_exception(EngineDeadError())
         self._pending.clear()
 
+    def _on_frame(self, buf: memoryview, put: Any) -> bool:
+        """One frame from the output socket: outputs go to ``put``, utility replies
+        to their futures. False once the engine is dead."""
+        if len(buf) == len(ENGINE_CORE_DEAD) and bytes(buf) == ENGINE_CORE_DEAD:
+            self._fail_pending(put)
+            return False
+        outs = self._decoder.decode(buf)
+        if outs.utility_output is not None:
+            self._settle_utility(outs)
+        else:
+            self._forget_finished(outs)
+            put(outs)
+        return True
+
     def _settle_utility(self, outs: EngineCoreOutputs) -> None:
         done = self._utility_reply(self._pending, outs)
         if done is not None and not done[0].done():
@@ -437,7 +451,6 @@ class SyncMPClient(MPClient):
 
     def _read_outputs(self) -> None:
         sock = self.output_socket
-        decoder = self._decoder
         while not self._closed:
             try:
                 if not sock.poll(200):
@@ -445,16 +458,8 @@ class SyncMPClient(MPClient):
                 frame = sock.recv(copy=False)
             except zmq.ZMQError:
                 break
-            buf = frame.buffer
-            if len(buf) == len(ENGINE_CORE_DEAD) and bytes(buf) == ENGINE_CORE_DEAD:
-                self._fail_pending(self.outputs_queue.put_nowait)
+            if not self._on_frame(frame.buffer, self.outputs_queue.put_nowait):
                 break
-            outs = decoder.decode(buf)
-            if outs.utility_output is not None:
-                self._settle_utility(outs)
-                continue
-            self._forget_finished(outs)
-            self.outputs_queue.put_nowait(outs)
 
 
 
@@ -528,22 +533,13 @@ class AsyncMPClient(MPClient):
 
     async def _read_outputs(self) -> None:
         assert self._queue is not None
-        decoder = self._decoder
         while not self._closed:
             try:
                 frame = await self._aoutput.recv(copy=False)
             except (zmq.ZMQError, asyncio.CancelledError):
                 break
-            buf = frame.buffer
-            if len(buf) == len(ENGINE_CORE_DEAD) and bytes(buf) == ENGINE_CORE_DEAD:
-                self._fail_pending(self._queue.put_nowait)
+            if not self._on_frame(frame.buffer, self._queue.put_nowait):
                 break
-            outs = decoder.decode(buf)
-            if outs.utility_output is not None:
-                self._settle_utility(outs)
-                continue
-            self._forget_finished(outs)
-            self._queue.put_nowait(outs)
 
     async def _send(self, frames: list[bytes]) -> None:
         self._check_alive()
