@@ -155,3 +155,57 @@ def test_unsupported_dp_settings_are_clear_errors():
         EngineCoreClient.make_client(True, False, EngineArgs(
             model="synthetic", data_parallel_size=2,
             data_parallel_backend="ray").create_engine_config())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_headless_rank_joins_a_front_end_on_loopback():
+    """A second "node" on loopback: rank 1 runs headless and joins the front-end."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "enginecore.entrypoints.cli", "engine", "--headless",
+         "--model", "synthetic", "--block-size", "4", "--data-parallel-size", "2",
+         "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+         "--data-parallel-rpc-port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cfg = EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
+                         data_parallel_size_local=1,
+                         data_parallel_rpc_port=port).create_engine_config()
+        c = EngineCoreClient.make_client(True, False, cfg, handshake_timeout_s=60)
+        try:
+            assert len(c.procs) == 1 and c.input_address.startswith("tcp://127.0.0.1:")
+            for r in reqs():
+                c.add_request(r)
+            got: dict[str, list[int]] = {}
+            ranks = set()
+            done = 0
+            while done < N:
+                outs = c.get_output(timeout=30)
+                for o in outs.outputs:
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    if o.finish_reason is not None:
+                        done += 1
+                        ranks.add(outs.engine_index)
+            assert got == reference() and ranks == {0, 1}
+        finally:
+            c.shutdown()
+    finally:
+        headless.terminate()
+        out, err = headless.communicate(timeout=30)
+    assert "joining tcp://127.0.0.1" in out
+
+
+def test_headless_needs_a_fixed_port():
+    with pytest.raises(ValueError, match="data_parallel_rpc_port"):
+        EngineArgs(model="synthetic", data_parallel_size=2,
+                   data_parallel_size_local=1).create_engine_config()

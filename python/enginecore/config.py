@@ -74,6 +74,11 @@ class ParallelConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1
+    # First rank this node runs (a headless node runs ranks start..start+local-1).
+    data_parallel_start_rank: int = 0
+    # Where the front-end's handshake socket listens when ranks run elsewhere.
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0
     data_parallel_backend: Literal["mp", "ray"] = "mp"
 
 
@@ -147,6 +152,10 @@ class EngineArgs:
     max_concurrent_batches: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0
     data_parallel_backend: str = "mp"
     executor_backend: str | None = None
     synthetic_step_latency_s: float = 0.0
@@ -208,7 +217,12 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_rank=self.data_parallel_rank,
-                data_parallel_size_local=self.data_parallel_size,
+                data_parallel_size_local=(self.data_parallel_size
+                                          if self.data_parallel_size_local is None
+                                          else self.data_parallel_size_local),
+                data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_address=self.data_parallel_address,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
                 data_parallel_backend=self.data_parallel_backend,  # type: ignore[arg-type]
             ),
             executor_config=ExecutorConfig(
@@ -253,6 +267,14 @@ class EngineArgs:
             raise bad("data_parallel_size", ">= 1")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise bad("data_parallel_rank", f"in [0, {self.data_parallel_size})")
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= self.data_parallel_size:
+            raise bad("data_parallel_size_local", f"in [0, {self.data_parallel_size}]")
+        if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
+            raise bad("data_parallel_start_rank", f"in [0, {self.data_parallel_size})")
+        if local is not None and local < self.data_parallel_size and not (
+                0 < self.data_parallel_rpc_port < 65536):
+            raise bad("data_parallel_rpc_port", "a fixed port when some ranks run elsewhere")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise bad("data_parallel_backend", "'mp' or 'ray'")
         if self.executor_backend not in (None, *get_args(ExecutorBackend)):

@@ -58,21 +58,25 @@ _UTILITY = EngineCoreRequestType.UTILITY.value
 class _Addresses:
     """Where the client binds; a private directory for IPC sockets."""
 
-    def __init__(self, transport: str) -> None:
+    def __init__(self, transport: str, host: str = "127.0.0.1") -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self.transport = transport
+        self.host = host
         self.dir = tempfile.mkdtemp(prefix="enginecore-") if transport == "ipc" else None
         if self.dir:
             os.chmod(self.dir, 0o700)
 
-    def bind(self, sock: zmq.Socket, name: str) -> str:
+    def bind(self, sock: zmq.Socket, name: str, port: int = 0) -> str:
         if self.dir is not None:
             addr = f"ipc://{os.path.join(self.dir, name)}"
             sock.bind(addr)
             return addr
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
-        return f"tcp://127.0.0.1:{port}"
+        if port:
+            sock.bind(f"tcp://{self.host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{self.host}")
+        return f"tcp://{self.host}:{port}"
 
     def cleanup(self) -> None:
         if self.dir:
@@ -114,7 +118,12 @@ class MPClient(EngineCoreClient):
         (this client is front-end 0; ``attach(i)`` gives front-end i)."""
         self._init_common(config, client_index=0)
         self._owner = True
-        self._addresses = _Addresses(transport)
+        pc = config.parallel_config
+        self.num_local_engines = pc.data_parallel_size_local
+        if self.num_local_engines < self.num_engines:
+            # Some ranks are headless engines elsewhere: they reach us over TCP.
+            transport = "tcp"
+        self._addresses = _Addresses(transport, pc.data_parallel_address)
         self.ctx = zmq.Context()
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._front_ends: list[tuple[zmq.Socket, zmq.Socket, str, str]] = []
@@ -189,7 +198,10 @@ class MPClient(EngineCoreClient):
         handshake = self.ctx.socket(zmq.ROUTER)
         handshake.setsockopt(zmq.LINGER, 0)
         try:
-            hs_address = self._addresses.bind(handshake, "handshake.sock")
+            hs_address = self._addresses.bind(
+                handshake, "handshake.sock",
+                self.config.parallel_config.data_parallel_rpc_port
+                if self.num_local_engines < self.num_engines else 0)
             level = engine_log_level if engine_log_level is not None else (
                 logging.getLogger().getEffectiveLevel())
             config = self.config
@@ -199,7 +211,7 @@ class MPClient(EngineCoreClient):
                                              _native._ext is not None)
             devices = rank_devices(config)
             ctx = multiprocessing.get_context("spawn")
-            for rank in range(self.num_engines):
+            for rank in range(self.num_local_engines):
                 rank_config = dataclasses.replace(
                     config, parallel_config=dataclasses.replace(
                         config.parallel_config, data_parallel_rank=rank))
@@ -224,6 +236,9 @@ class MPClient(EngineCoreClient):
         finally:
             handshake.close(linger=0)
 
+    def _where(self, rank: int) -> str:
+        return f"pid {self.procs[rank].pid}" if rank < len(self.procs) else "headless"
+
     def _handshake_all(self, handshake: zmq.Socket, timeout_s: float) -> None:
         decoder = msgspec.msgpack.Decoder(HandshakeMessage)
         encoder = msgspec.msgpack.Encoder()
@@ -237,7 +252,7 @@ class MPClient(EngineCoreClient):
         while len(ready) < self.num_engines:
             if time.monotonic() > deadline:
                 missing = ", ".join(
-                    f"engine {i} (pid {self.procs[i].pid}) did not send "
+                    f"engine {i} ({self._where(i)}) did not send "
                     f"{'READY' if i in said_hello else 'HELLO'}"
                     for i in range(self.num_engines) if i not in ready)
                 raise TimeoutError(f"handshake timed out after {timeout_s:g} s "

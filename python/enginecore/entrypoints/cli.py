@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--latency-ms", type=float, default=0.0)
     syn.add_argument("--native", action=argparse.BooleanOptionalAction, default=None)
     syn.set_defaults(func=_synthetic)
+
+    from enginecore.entrypoints.headless import add_parser
+
+    add_parser(sub)
     return parser
 
 

@@ -1,0 +1,66 @@
+"""``enginecore engine --headless``: run data-parallel ranks on this node that
+join a front-end elsewhere (its handshake address is known up front)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    from enginecore.config import EngineArgs
+    from enginecore.core.engine_core_proc import run_engine_core
+
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    pc = config.parallel_config
+    if not pc.data_parallel_rpc_port:
+        raise SystemExit("--data-parallel-rpc-port is needed: the front-end's handshake port")
+    address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port}"
+    ranks = range(pc.data_parallel_start_rank, pc.data_parallel_start_rank +
+                  pc.data_parallel_size_local)
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in ranks:
+        rank_config = dataclasses.replace(
+            config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank))
+        proc = ctx.Process(target=run_engine_core, name=f"EngineCore_DP{rank}", kwargs=dict(
+            config=rank_config, handshake_address=address, engine_index=rank,
+            handshake_timeout_s=args.handshake_timeout, parent_pid=os.getpid(),
+            log_level=logging.getLogger().getEffectiveLevel()))
+        proc.start()
+        procs.append(proc)
+    print(f"headless engines for ranks {list(ranks)} joining {address}", flush=True)
+
+    def stop(signum, frame):
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = 0
+    for p in procs:
+        p.join()
+        code = code or (p.exitcode or 0)
+    return code
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from enginecore.config import EngineArgs
+
+    eng = sub.add_parser("engine", help="run engine processes (headless data-parallel ranks)")
+    eng.add_argument("--headless", action="store_true", required=True,
+                     help="no front-end here: join the one at --data-parallel-address")
+    eng.add_argument("--handshake-timeout", type=float, default=120.0)
+    EngineArgs.add_cli_args(eng)
+    eng.set_defaults(func=run_headless)
+
+
