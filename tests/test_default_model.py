@@ -53,13 +53,13 @@ def test_gguf_matches_transformers_on_dequantized_weights(llm32):
         got, want = out.outputs[0].token_ids, gen[0, len(ids):].tolist()
         if got != want:
             # Only a numerical tie may break parity: at the first difference the
-            # reference's top two logits must be within float32 noise.
+            # reference must rate our token within float32 noise of its own choice
+            # (30 layers summed in another order differ by ~1e-4 in the logits).
             k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             with torch.no_grad():
                 logits = ref(torch.tensor([ids + want[:k]])).logits[0, -1]
-            top2 = torch.topk(logits, 2).values
-            margin = float(top2[0] - top2[1])
-            assert margin < 1e-3, (prompt, k, got, want, margin)
+            gap = float(logits[want[k]] - logits[got[k]])
+            assert gap < 5e-3, (prompt, k, got, want, gap)
 
 
 def test_llm_generate_shapes_and_token_prompts(llm32):
