@@ -209,3 +209,30 @@ def test_headless_needs_a_fixed_port():
     with pytest.raises(ValueError, match="data_parallel_rpc_port"):
         EngineArgs(model="synthetic", data_parallel_size=2,
                    data_parallel_size_local=1).create_engine_config()
+
+
+def test_external_lb_each_front_end_talks_to_its_own_rank():
+    clients = []
+    try:
+        for rank in range(2):
+            cfg = EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
+                             data_parallel_rank=rank,
+                             data_parallel_external_lb=True).create_engine_config()
+            clients.append(EngineCoreClient.make_client(True, False, cfg))
+        for rank, c in enumerate(clients):
+            assert c.ranks == [rank] and len(c.procs) == 1
+            for i in range(5):
+                c.add_request(EngineCoreRequest(f"x{rank}-{i}", [rank + 1, i + 1],
+                                                SamplingParams(max_tokens=3)))
+        for rank, c in enumerate(clients):
+            done = 0
+            while done < 5:
+                outs = c.get_output(timeout=30)
+                assert outs.engine_index == rank
+                for o in outs.outputs:
+                    assert o.request_id.startswith(f"x{rank}-")
+                    done += o.finish_reason is not None
+            assert c.call_utility("get_request_counts") == (0, 0)
+    finally:
+        for c in clients:
+            c.shutdown()

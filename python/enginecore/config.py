@@ -79,6 +79,8 @@ class ParallelConfig:
     # Where the front-end's handshake socket listens when ranks run elsewhere.
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 0
+    # External load balancing: this front-end talks only to its own rank.
+    data_parallel_external_lb: bool = False
     data_parallel_backend: Literal["mp", "ray"] = "mp"
 
 
@@ -156,6 +158,7 @@ class EngineArgs:
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 0
+    data_parallel_external_lb: bool = False
     data_parallel_backend: str = "mp"
     executor_backend: str | None = None
     synthetic_step_latency_s: float = 0.0
@@ -223,6 +226,7 @@ class EngineArgs:
                 data_parallel_start_rank=self.data_parallel_start_rank,
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
+                data_parallel_external_lb=self.data_parallel_external_lb,
                 data_parallel_backend=self.data_parallel_backend,  # type: ignore[arg-type]
             ),
             executor_config=ExecutorConfig(

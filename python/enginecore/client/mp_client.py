@@ -119,7 +119,7 @@ class MPClient(EngineCoreClient):
         self._init_common(config, client_index=0)
         self._owner = True
         pc = config.parallel_config
-        self.num_local_engines = pc.data_parallel_size_local
+        self.num_local_engines = min(pc.data_parallel_size_local, self.num_engines)
         if self.num_local_engines < self.num_engines:
             # Some ranks are headless engines elsewhere: they reach us over TCP.
             transport = "tcp"
@@ -148,8 +148,13 @@ class MPClient(EngineCoreClient):
     def _init_common(self, config: EngineConfig, client_index: int) -> None:
         self.config = config
         self.engine_index = 0
-        self.num_engines = config.parallel_config.data_parallel_size
-        self.identities = [engine_identity(i) for i in range(self.num_engines)]
+        pc = config.parallel_config
+        # The engine indexes (DP ranks) this client talks to: all of them, or with
+        # external load balancing only its own rank.
+        self.ranks = ([pc.data_parallel_rank] if pc.data_parallel_external_lb
+                      else list(range(pc.data_parallel_size)))
+        self.num_engines = len(self.ranks)
+        self.identities = [engine_identity(r) for r in self.ranks]
         self.identity = self.identities[0]
         # Internal load balancing: live requests per engine, and who owns which.
         self._load = [0] * self.num_engines
@@ -211,7 +216,7 @@ class MPClient(EngineCoreClient):
                                              _native._ext is not None)
             devices = rank_devices(config)
             ctx = multiprocessing.get_context("spawn")
-            for rank in range(self.num_local_engines):
+            for rank in self.ranks[: self.num_local_engines]:
                 rank_config = dataclasses.replace(
                     config, parallel_config=dataclasses.replace(
                         config.parallel_config, data_parallel_rank=rank))
@@ -221,7 +226,8 @@ class MPClient(EngineCoreClient):
                                 executor_class=executor_class, log_stats=log_stats,
                                 engine_index=rank, handshake_timeout_s=timeout_s,
                                 parent_pid=os.getpid(), log_level=level,
-                                visible_devices=devices[rank] if devices else None),
+                                visible_devices=devices[rank % len(devices)] if devices
+                                else None),
                     daemon=True)
                 proc.start()
                 self.procs.append(proc)
@@ -237,7 +243,8 @@ class MPClient(EngineCoreClient):
             handshake.close(linger=0)
 
     def _where(self, rank: int) -> str:
-        return f"pid {self.procs[rank].pid}" if rank < len(self.procs) else "headless"
+        local = dict(zip(self.ranks, self.procs))
+        return f"pid {local[rank].pid}" if rank in local else "headless"
 
     def _handshake_all(self, handshake: zmq.Socket, timeout_s: float) -> None:
         decoder = msgspec.msgpack.Decoder(HandshakeMessage)
@@ -254,10 +261,10 @@ class MPClient(EngineCoreClient):
                 missing = ", ".join(
                     f"engine {i} ({self._where(i)}) did not send "
                     f"{'READY' if i in said_hello else 'HELLO'}"
-                    for i in range(self.num_engines) if i not in ready)
+                    for i in self.ranks if i not in ready)
                 raise TimeoutError(f"handshake timed out after {timeout_s:g} s "
                                    f"(handshake_timeout_s): {missing}")
-            for i, proc in enumerate(self.procs):
+            for i, proc in zip(self.ranks, self.procs):
                 if i not in ready and not proc.is_alive():
                     raise RuntimeError(
                         f"engine {i} (pid {proc.pid}) exited with code {proc.exitcode} before "
@@ -273,8 +280,9 @@ class MPClient(EngineCoreClient):
                 ready[msg.engine_index] = msg
             elif isinstance(msg, HandshakeFailed):
                 raise RuntimeError(f"engine {msg.engine_index} failed to start: {msg.error}")
-        self.num_gpu_blocks = ready[0].num_gpu_blocks
-        self.max_model_len = ready[0].max_model_len
+        first = ready[self.ranks[0]]
+        self.num_gpu_blocks = first.num_gpu_blocks
+        self.max_model_len = first.max_model_len
 
     def _start_monitor(self) -> None:
         """Turn the engine process dying into ENGINE_CORE_DEAD on our own output socket."""
@@ -380,7 +388,7 @@ class MPClient(EngineCoreClient):
         entry[2] -= 1
         if u.failure_message is not None and entry[3] is None:
             entry[3] = RuntimeError(u.failure_message)
-        if outs.engine_index == 0 or self.num_engines == 1:
+        if outs.engine_index == self.ranks[0] or self.num_engines == 1:
             entry[4] = u.result.value if u.result else None
         if entry[2] > 0:
             return None
