@@ -14,7 +14,7 @@ import pytest
 from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
 from enginecore import SamplingParams
 from enginecore.client import EngineCoreClient
-from enginecore.client.mp_client import rank_devices
+from enginecore.client.sockets import rank_devices
 
 from helpers import run_to_completion, synthetic_engine
 

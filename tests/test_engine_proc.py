@@ -346,12 +346,12 @@ def test_large_frames_survive_buffer_reuse(hot_path):
 
 
 def test_handshake_timeout_names_the_engine():
-    from enginecore.client.mp_client import _Addresses
+    from enginecore.client.sockets import Addresses
     import zmq
 
     from enginecore.core.engine_core_proc import EngineCoreProc
 
-    addrs = _Addresses("ipc")
+    addrs = Addresses("ipc")
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     hs = addrs.bind(router, "hs.sock")

@@ -16,8 +16,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -30,6 +28,7 @@ import zmq.asyncio
 
 from enginecore import _native
 from enginecore.client.core_client import EngineCoreClient
+from enginecore.client.sockets import Addresses, rank_devices
 from enginecore.config import EngineConfig
 from enginecore.core.utility import convert_result, signature_of
 from enginecore.errors import EngineDeadError
@@ -55,53 +54,6 @@ _ABORT = EngineCoreRequestType.ABORT.value
 _UTILITY = EngineCoreRequestType.UTILITY.value
 
 
-class _Addresses:
-    """Where the client binds; a private directory for IPC sockets."""
-
-    def __init__(self, transport: str, host: str = "127.0.0.1") -> None:
-        if transport not in ("ipc", "tcp"):
-            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        self.transport = transport
-        self.host = host
-        self.dir = tempfile.mkdtemp(prefix="enginecore-") if transport == "ipc" else None
-        if self.dir:
-            os.chmod(self.dir, 0o700)
-
-    def bind(self, sock: zmq.Socket, name: str, port: int = 0) -> str:
-        if self.dir is not None:
-            addr = f"ipc://{os.path.join(self.dir, name)}"
-            sock.bind(addr)
-            return addr
-        if port:
-            sock.bind(f"tcp://{self.host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{self.host}")
-        return f"tcp://{self.host}:{port}"
-
-    def cleanup(self) -> None:
-        if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def rank_devices(config: EngineConfig) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES for each local DP rank (None on CPU). Checked here,
-    before any engine touches a device, with an error when the ranks do not fit."""
-    dp = config.parallel_config.data_parallel_size
-    if dp == 1 or not config.model_config.device.startswith("cuda"):
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [d.strip() for d in visible.split(",") if d.strip()]
-    else:
-        import torch
-
-        ids = [str(i) for i in range(torch.cuda.device_count())]
-    if len(ids) < dp:
-        raise ValueError(f"data_parallel_size={dp} needs {dp} devices, but only {len(ids)} are "
-                         f"visible (CUDA_VISIBLE_DEVICES={visible!r})")
-    return ids[:dp]
-
-
 class MPClient(EngineCoreClient):
     def __init__(
         self,
@@ -123,7 +75,7 @@ class MPClient(EngineCoreClient):
         if self.num_local_engines < self.num_engines:
             # Some ranks are headless engines elsewhere: they reach us over TCP.
             transport = "tcp"
-        self._addresses = _Addresses(transport, pc.data_parallel_address)
+        self._addresses = Addresses(transport, pc.data_parallel_address)
         self.ctx = zmq.Context()
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._front_ends: list[tuple[zmq.Socket, zmq.Socket, str, str]] = []

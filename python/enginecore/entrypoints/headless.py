@@ -9,7 +9,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 
 logger = logging.getLogger(__name__)
 
