@@ -38,6 +38,8 @@ class ModelConfig:
     model_path: str | None = None
     # "generate" (decoders) or "embed" (encoders with a pooler).
     task: str = "generate"
+    # Mixture of experts: data-parallel ranks then run in lockstep by default.
+    is_moe: bool = False
 
     @property
     def is_synthetic(self) -> bool:
@@ -67,6 +69,9 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     # A prefill chunk of a request is capped at this many tokens (0 = no cap).
     long_prefill_token_threshold: int = 0
+    # Lockstep data parallel: new prefills are admitted only on steps that are a
+    # multiple of this (1 = every step), so ranks prefill together.
+    prefill_schedule_interval: int = 1
 
 
 @dataclass
@@ -82,6 +87,13 @@ class ParallelConfig:
     # External load balancing: this front-end talks only to its own rank.
     data_parallel_external_lb: bool = False
     data_parallel_backend: Literal["mp", "ray"] = "mp"
+    # Ranks step in lockstep waves with a collective every 32 steps (MoE models);
+    # off: independent engines behind the same coordinator (dense models).
+    data_parallel_lockstep: bool = False
+
+    @property
+    def data_parallel_rank_local(self) -> int:
+        return self.data_parallel_rank - self.data_parallel_start_rank
 
 
 @dataclass
@@ -160,10 +172,15 @@ class EngineArgs:
     data_parallel_rpc_port: int = 0
     data_parallel_external_lb: bool = False
     data_parallel_backend: str = "mp"
+    # None: on for mixture-of-experts models, off for dense ones.
+    data_parallel_lockstep: bool | None = None
+    prefill_schedule_interval: int = 1
     executor_backend: str | None = None
     synthetic_step_latency_s: float = 0.0
     synthetic_vocab_size: int = 32000
     synthetic_eos_token_id: int | None = None
+    # The synthetic model reports itself as mixture-of-experts (DP lockstep by default).
+    synthetic_moe: bool = False
     use_native: bool | None = None
     log_iteration_details: bool = False
     speculative_method: str = "ngram"
@@ -216,6 +233,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 scheduling_policy=SchedulingPolicy(self.scheduling_policy),
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                prefill_schedule_interval=self.prefill_schedule_interval,
             ),
             parallel_config=ParallelConfig(
                 data_parallel_size=self.data_parallel_size,
@@ -228,6 +246,8 @@ class EngineArgs:
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
                 data_parallel_external_lb=self.data_parallel_external_lb,
                 data_parallel_backend=self.data_parallel_backend,  # type: ignore[arg-type]
+                data_parallel_lockstep=(model_config.is_moe if self.data_parallel_lockstep
+                                        is None else self.data_parallel_lockstep),
             ),
             executor_config=ExecutorConfig(
                 backend=backend,  # type: ignore[arg-type]
@@ -281,6 +301,12 @@ class EngineArgs:
             raise bad("data_parallel_rpc_port", "a fixed port when some ranks run elsewhere")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise bad("data_parallel_backend", "'mp' or 'ray'")
+        if self.data_parallel_lockstep and self.data_parallel_external_lb:
+            raise ValueError("EngineArgs.data_parallel_lockstep needs the internal load balancer "
+                             "(data_parallel_external_lb=False): lockstep ranks share one "
+                             "coordinator, which front-ends with external LB do not start")
+        if self.prefill_schedule_interval < 1:
+            raise bad("prefill_schedule_interval", ">= 1")
         if self.executor_backend not in (None, *get_args(ExecutorBackend)):
             raise bad("executor_backend", f"one of {get_args(ExecutorBackend)}")
         if self.synthetic_step_latency_s < 0:
@@ -307,6 +333,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 vocab_size=self.synthetic_vocab_size,
                 eos_token_id=self.synthetic_eos_token_id,
+                is_moe=self.synthetic_moe,
             )
         # Real models: facts come from the model's own files.
         from enginecore.model.model_info import resolve_model_config

@@ -185,6 +185,13 @@ class HandshakeInit(msgspec.Struct, tag="INIT"):
     output_addresses: list[str]
     data_parallel_rank: int = 0
     data_parallel_size: int = 1
+    # Data parallel: the coordinator's sockets (START_DP_WAVE in, counts and waves out).
+    coordinator_input_address: str | None = None
+    coordinator_output_address: str | None = None
+    # Lockstep: the front-end's TCPStore ("host:port") the DP process group meets at,
+    # and the group's generation (a new one per elastic rescale).
+    dp_store_address: str | None = None
+    dp_group_generation: int = 0
 
 
 class HandshakeReady(msgspec.Struct, tag="READY"):
@@ -213,6 +220,31 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):  # type: ignore
     call_id: int
     method: str
     args: list[Any] = []
+
+
+class StartDPWave(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Coordinator -> engines (payload of START_DP_WAVE): run wave ``wave``; the
+    engine ``exclude_engine_index`` asked for it and is running already (-1: none)."""
+
+    wave: int
+    exclude_engine_index: int = -1
+
+
+class WaveStartRequest(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Front-end -> coordinator: a request went to ``engine_index`` while the
+    front-end believed the engines idle in wave ``wave``."""
+
+    wave: int
+    engine_index: int
+
+
+class DPStatus(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Coordinator -> front-ends: per-engine ``[waiting, running]`` for load
+    balancing, and the wave state."""
+
+    counts: list[list[int]]
+    current_wave: int
+    engines_running: bool
 
 
 def engine_identity(engine_index: int) -> bytes:

@@ -79,7 +79,17 @@ class MPClient(EngineCoreClient):
         self.ctx = zmq.Context()
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._front_ends: list[tuple[zmq.Socket, zmq.Socket, str, str]] = []
+        # Data parallel behind one load balancer: the coordinator process, and for
+        # lockstep ranks the store their process group meets at.
+        self.coordinator: multiprocessing.process.BaseProcess | None = None
+        self._coord_addresses: dict[str, str] | None = None
+        self._dp_store: Any = None
+        self._dp_store_address: str | None = None
+        self._dp_generation = 0
+        self._leaving: set[multiprocessing.process.BaseProcess] = set()
         try:
+            if self.num_engines > 1:
+                self._start_coordinator(engine_log_level)
             for i in range(client_count):
                 inp = self.ctx.socket(zmq.ROUTER)
                 inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -93,9 +103,38 @@ class MPClient(EngineCoreClient):
              self.output_address) = self._front_ends[0]
             self._start_engine(executor_class, log_stats, handshake_timeout_s, engine_log_level)
             self._start_monitor()
+            self._connect_coordinator()
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_coordinator(self, engine_log_level: int | None) -> None:
+        from enginecore.core.dp_coordinator import start_coordinator
+
+        pc = self.config.parallel_config
+        names = ("status", "wave_request", "engine_input", "engine_output")
+        if self._addresses.dir is not None:
+            bind = {n: f"ipc://{os.path.join(self._addresses.dir, 'coord-' + n)}.sock"
+                    for n in names}
+        else:
+            bind = dict.fromkeys(names, f"tcp://{self._addresses.host}")
+        level = engine_log_level if engine_log_level is not None else (
+            logging.getLogger().getEffectiveLevel())
+        self.coordinator, self._coord_addresses = start_coordinator(
+            pc.data_parallel_size, pc.data_parallel_lockstep, bind, level)
+        if pc.data_parallel_lockstep:
+            from enginecore.core.dp_group import host_store
+
+            self._dp_store, self._dp_store_address = host_store(pc.data_parallel_address)
+        logger.info("DP coordinator pid %d (%s ranks)", self.coordinator.pid,
+                    "lockstep" if pc.data_parallel_lockstep else "independent")
+
+    def _connect_coordinator(self) -> None:
+        if self._coord_addresses is not None:
+            from enginecore.client.dp_link import CoordinatorLink
+
+            self._link = CoordinatorLink(self.ctx, self._coord_addresses,
+                                         self.config.parallel_config.data_parallel_lockstep)
 
     def _init_common(self, config: EngineConfig, client_index: int) -> None:
         self.config = config
@@ -108,8 +147,11 @@ class MPClient(EngineCoreClient):
         self.num_engines = len(self.ranks)
         self.identities = [engine_identity(r) for r in self.ranks]
         self.identity = self.identities[0]
-        # Internal load balancing: live requests per engine, and who owns which.
+        # Internal load balancing: live requests per engine, and who owns which;
+        # new requests go to the active engines (not to ranks being removed).
         self._load = [0] * self.num_engines
+        self._active = list(range(self.num_engines))
+        self._link: Any = None
         self._engine_of: dict[str, int] = {}
         self.client_index = client_index
         self._dead = False
@@ -133,7 +175,10 @@ class MPClient(EngineCoreClient):
         other._primary = self
         other.ctx = self.ctx
         other.procs = self.procs
+        other.coordinator = self.coordinator
+        other._coord_addresses = self._coord_addresses
         other._front_ends = []
+        other._connect_coordinator()
         (other.input_socket, other.output_socket, other.input_address,
          other.output_address) = self._front_ends[client_index]
         other._post_init()
@@ -202,9 +247,13 @@ class MPClient(EngineCoreClient):
         decoder = msgspec.msgpack.Decoder(HandshakeMessage)
         encoder = msgspec.msgpack.Encoder()
         pc = self.config.parallel_config
+        coord = self._coord_addresses or {}
         init = encoder.encode(HandshakeInit(
             [fe[2] for fe in self._front_ends], [fe[3] for fe in self._front_ends],
-            pc.data_parallel_rank, pc.data_parallel_size))
+            pc.data_parallel_rank, pc.data_parallel_size,
+            coordinator_input_address=coord.get("engine_input"),
+            coordinator_output_address=coord.get("engine_output"),
+            dp_store_address=self._dp_store_address, dp_group_generation=self._dp_generation))
         said_hello: set[int] = set()
         ready: dict[int, HandshakeReady] = {}
         deadline = time.monotonic() + timeout_s
@@ -236,9 +285,13 @@ class MPClient(EngineCoreClient):
         self.num_gpu_blocks = first.num_gpu_blocks
         self.max_model_len = first.max_model_len
 
+    def _watched(self) -> list[multiprocessing.process.BaseProcess]:
+        procs = [p for p in self.procs if p not in self._leaving]
+        return procs + ([self.coordinator] if self.coordinator is not None else [])
+
     def _start_monitor(self) -> None:
-        """Turn the engine process dying into ENGINE_CORE_DEAD on our own output socket."""
-        sentinels = {p.sentinel: p for p in self.procs}
+        """Turn an engine (or the coordinator) dying into ENGINE_CORE_DEAD on our
+        own output sockets. Ranks leaving in a rescale exit without alarm."""
         self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
         stop_r = self._monitor_stop_r
         output_addresses = [fe[3] for fe in self._front_ends]
@@ -246,15 +299,24 @@ class MPClient(EngineCoreClient):
         self_ref = weakref.ref(self)
 
         def monitor() -> None:
-            ready = multiprocessing.connection.wait([*sentinels, stop_r])
-            if stop_r in ready:
-                return
-            client = self_ref()
-            if client is None or client._closed:
-                return
-            for sentinel in ready:
-                proc = sentinels[sentinel]
-                logger.error("engine %s (pid %s) died with exit code %s", proc.name, proc.pid,
+            while True:
+                client = self_ref()
+                if client is None or client._closed:
+                    return
+                watched = {p.sentinel: p for p in client._watched()}
+                del client
+                # Re-read the set now and then: a rescale adds and removes ranks.
+                ready = multiprocessing.connection.wait([*watched, stop_r], timeout=0.5)
+                if stop_r in ready:
+                    return
+                client = self_ref()
+                if client is None or client._closed:
+                    return
+                died = [watched[s] for s in ready if watched[s] not in client._leaving]
+                if died:
+                    break
+            for proc in died:
+                logger.error("%s (pid %s) died with exit code %s", proc.name, proc.pid,
                              proc.exitcode)
             client._dead = True
             for address in output_addresses:
@@ -277,8 +339,8 @@ class MPClient(EngineCoreClient):
         if self._closed:
             raise RuntimeError("the client is shut down")
 
-    def _register(self, request: EngineCoreRequest) -> bytes:
-        """Track a new request and pick its engine (least loaded); its identity."""
+    def _register(self, request: EngineCoreRequest) -> int:
+        """Track a new request and pick its engine (least loaded); its index."""
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
         with self._live_lock:
@@ -286,12 +348,19 @@ class MPClient(EngineCoreClient):
                 raise ValueError(f"request id {request.request_id!r} is already live")
             self._live.add(request.request_id)
             engine = request.data_parallel_rank
-            if engine is None or not 0 <= engine < self.num_engines:
-                engine = min(range(self.num_engines), key=self._load.__getitem__)
+            if engine is None or engine not in self._active:
+                engine = (self._link.pick(self._active, self._load) if self._link is not None
+                          else min(self._active, key=self._load.__getitem__))
             self._load[engine] += 1
             self._engine_of[request.request_id] = engine
         request.client_index = self.client_index
-        return self.identities[engine]
+        if self._link is not None:
+            request.current_wave = self._link.current_wave_for_request()
+        return engine
+
+    def _sent(self, engine: int, request: EngineCoreRequest) -> None:
+        if self._link is not None:
+            self._link.sent_to(engine, request.current_wave)
 
     def _forget_finished(self, outs: EngineCoreOutputs) -> None:
         finished = [o.request_id for o in outs.outputs if o.finish_reason is not None]
@@ -322,13 +391,20 @@ class MPClient(EngineCoreClient):
         return [[self.identities[e], _ABORT, self._encoder.encode(ids)]
                 for e, ids in per_engine.items()]
 
-    def _utility_frames(self, method: str, args: tuple) -> tuple[int, list[list[bytes]]]:
-        """The same call to every engine (data parallel: pause, sleep, ... apply to all)."""
+    def _utility_frames(self, method: str, args: tuple, fut: Any,
+                        engine: int | None = None) -> tuple[int, list[list[bytes]]]:
+        """The same call to every engine (data parallel: pause, sleep, ... apply to
+        all), or to ``engine`` only; registers the pending reply."""
         signature_of(method)  # refuse early, locally, what the engine would refuse
+        if engine is not None and not 0 <= engine < self.num_engines:
+            raise ValueError(f"engine index {engine} is not in [0, {self.num_engines})")
         call_id = next(self._call_ids)
         payload = self._encoder.encode(
             UtilityRequest(self.client_index, call_id, method, list(args)))
-        return call_id, [[ident, _UTILITY, payload] for ident in self.identities]
+        targets = range(self.num_engines) if engine is None else [engine]
+        # call_id -> [method, future, replies still due, first failure, value, answering rank]
+        self._pending[call_id] = [method, fut, len(targets), None, None, self.ranks[targets[0]]]
+        return call_id, [[self.identities[e], _UTILITY, payload] for e in targets]
 
     def _utility_reply(self, pending: dict, outs: EngineCoreOutputs) -> tuple[Any, Any] | None:
         """Collect one engine's reply; once every engine answered, (future, outcome)
@@ -340,12 +416,12 @@ class MPClient(EngineCoreClient):
         entry[2] -= 1
         if u.failure_message is not None and entry[3] is None:
             entry[3] = RuntimeError(u.failure_message)
-        if outs.engine_index == self.ranks[0] or self.num_engines == 1:
+        if outs.engine_index == entry[5] or self.num_engines == 1:
             entry[4] = u.result.value if u.result else None
         if entry[2] > 0:
             return None
         del pending[u.call_id]
-        method, fut, _, failure, value = entry
+        method, fut, _, failure, value, _ = entry
         if failure is not None:
             return fut, failure
         try:
@@ -390,10 +466,14 @@ class MPClient(EngineCoreClient):
         if self._closed:
             return
         self._closed = True
+        if self._link is not None:
+            self._link.close()
         if not self._owner:
             return
         if hasattr(self, "_monitor_stop_w"):
             self._monitor_stop_w.send(b"x")
+        if self.coordinator is not None and self.coordinator.is_alive():
+            self.coordinator.terminate()
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()  # SIGTERM: the engine shuts down cleanly
@@ -403,6 +483,9 @@ class MPClient(EngineCoreClient):
                 logger.warning("%s ignored SIGTERM; killing it", proc.name)
                 proc.kill()
                 proc.join(timeout=5)
+        if self.coordinator is not None:
+            self.coordinator.join(timeout=5)
+        self._dp_store = None
         self._close_sockets()
         self._addresses.cleanup()
 
@@ -449,10 +532,11 @@ class SyncMPClient(MPClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         engine = self._register(request)
         try:
-            self._send([engine, _ADD, self._encoder.encode(request)])
+            self._send([self.identities[engine], _ADD, self._encoder.encode(request)])
         except BaseException:
             self._forget(request.request_id)
             raise
+        self._sent(engine, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for frames in self._abort_frames(list(request_ids)):
@@ -467,9 +551,17 @@ class SyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Run an allow-listed method on every engine; engine 0's result."""
-        call_id, per_engine = self._utility_frames(method, args)
+        return self._call(None, method, args, timeout)
+
+    def call_utility_on(self, engine: int, method: str, *args: Any,
+                        timeout: float | None = None) -> Any:
+        """Run an allow-listed method on one engine (index into ``ranks``)."""
+        return self._call(engine, method, args, timeout)
+
+    def _call(self, engine: int | None, method: str, args: tuple,
+              timeout: float | None) -> Any:
         fut: Future = Future()
-        self._pending[call_id] = [method, fut, len(per_engine), None, None]
+        call_id, per_engine = self._utility_frames(method, args, fut, engine)
         try:
             for frames in per_engine:
                 self._send(frames)
@@ -527,10 +619,11 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         engine = self._register(request)
         try:
-            await self._send([engine, _ADD, self._encoder.encode(request)])
+            await self._send([self.identities[engine], _ADD, self._encoder.encode(request)])
         except BaseException:
             self._forget(request.request_id)
             raise
+        self._sent(engine, request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         for frames in self._abort_frames(list(request_ids)):
@@ -547,9 +640,15 @@ class AsyncMPClient(MPClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Run an allow-listed method on every engine; engine 0's result."""
-        call_id, per_engine = self._utility_frames(method, args)
+        return await self._call_async(None, method, args)
+
+    async def call_utility_on_async(self, engine: int, method: str, *args: Any) -> Any:
+        """Run an allow-listed method on one engine (index into ``ranks``)."""
+        return await self._call_async(engine, method, args)
+
+    async def _call_async(self, engine: int | None, method: str, args: tuple) -> Any:
         fut = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = [method, fut, len(per_engine), None, None]
+        call_id, per_engine = self._utility_frames(method, args, fut, engine)
         try:
             for frames in per_engine:
                 await self._send(frames)

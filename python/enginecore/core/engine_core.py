@@ -434,6 +434,20 @@ class EngineCore:
         """(running, waiting)."""
         return self.scheduler.get_request_counts()
 
+    def barrier(self) -> bool:
+        """Return once every data-parallel rank has reached it (one engine: at once)."""
+        return True
+
+    def reinitialize_distributed(self, new_size: int, generation: int) -> bool:
+        """Data parallel only: move to a group of ``new_size`` ranks; False on a
+        rank that leaves (DPEngineCoreProc)."""
+        raise RuntimeError("reinitialize_distributed needs a data-parallel engine "
+                           "(data_parallel_size > 1)")
+
+    def get_dp_state(self) -> dict[str, Any]:
+        """Data-parallel state of this engine (rank, size, wave, ...)."""
+        return {"data_parallel_rank": 0, "data_parallel_size": 1, "lockstep": False}
+
     def echo(self, value: Any = None) -> Any:
         """Return the argument: a liveness and round-trip check for clients."""
         return value

@@ -40,6 +40,7 @@ from enginecore.protocol import (
     HandshakeReady,
     UtilityOutput,
     UtilityRequest,
+    StartDPWave,
     UtilityResult,
     engine_identity,
 )
@@ -111,6 +112,7 @@ class EngineCoreProc(EngineCore):
         try:
             super().__init__(config, executor_class, log_stats,
                              executor_fail_callback=self._on_executor_failure)
+            self._init_data_parallel(init)
         except BaseException as e:
             self._send_handshake(HandshakeFailed(engine_index, f"{type(e).__name__}: {e}"))
             raise
@@ -119,6 +121,9 @@ class EngineCoreProc(EngineCore):
             engine_index, self.config.cache_config.num_gpu_blocks or 0,
             self.scheduler.max_model_len))
         self._handshake.close()
+
+    def _init_data_parallel(self, init: HandshakeInit) -> None:
+        """DPEngineCoreProc joins its DP group here (before READY)."""
 
     def _send_handshake(self, msg: HandshakeMessage) -> None:
         self._handshake.send(self._hs_encoder.encode(msg))
@@ -129,12 +134,16 @@ class EngineCoreProc(EngineCore):
     # -- IO threads ------------------------------------------------------------------------
     def _start_io_threads(self, init: HandshakeInit) -> None:
         self._stop = threading.Event()
+        # The coordinator (data parallel) is one more peer on each side: it sends
+        # START_DP_WAVE like a front-end, and takes outputs addressed to client -1.
+        inputs, outputs = list(init.input_addresses), list(init.output_addresses)
+        if init.coordinator_input_address and init.coordinator_output_address:
+            inputs.append(init.coordinator_input_address)
+            outputs.append(init.coordinator_output_address)
         self.input_thread = threading.Thread(
-            target=self._input_loop, args=(init.input_addresses,), daemon=True,
-            name="enginecore-input")
+            target=self._input_loop, args=(inputs,), daemon=True, name="enginecore-input")
         self.output_thread = threading.Thread(
-            target=self._output_loop, args=(init.output_addresses,), daemon=True,
-            name="enginecore-output")
+            target=self._output_loop, args=(outputs,), daemon=True, name="enginecore-output")
         ready = threading.Barrier(3, timeout=30)
         self._io_ready = ready
         self.input_thread.start()
@@ -157,7 +166,7 @@ class EngineCoreProc(EngineCore):
         add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         abort_decoder = msgspec.msgpack.Decoder(list[str])
         utility_decoder = msgspec.msgpack.Decoder(UtilityRequest)
-        wave_decoder = msgspec.msgpack.Decoder(int)
+        wave_decoder = msgspec.msgpack.Decoder(StartDPWave)
         put = self.input_queue.put_nowait
         while not self._stop.is_set():
             try:
@@ -242,13 +251,17 @@ class EngineCoreProc(EngineCore):
             self._process_input_queue()
             self._process_engine_step()
 
+    def _idle(self) -> bool:
+        """Nothing to step: the busy loop blocks on the input queue."""
+        return not self._has_work()
+
     def _has_work(self) -> bool:
         return bool(self.batch_queue) or (
             self.scheduler.has_schedulable_work() and not self.model_executor.is_sleeping)
 
     def _process_input_queue(self) -> None:
         q = self.input_queue
-        while not self._has_work():
+        while self._idle():
             # Idle: block (GIL released) until a front-end sends something.
             self._handle_client_request(*q.get())
         while not q.empty():
@@ -287,11 +300,14 @@ class EngineCoreProc(EngineCore):
             logger.warning("engine %d rejected request %r: %s", self.engine_index,
                            request.request_id, e)
 
-    def _handle_start_wave(self, wave: int) -> None:
+    def _handle_start_wave(self, msg: StartDPWave) -> None:
         logger.debug("engine %d ignores START_DP_WAVE %d (not data parallel)",
-                     self.engine_index, wave)
+                     self.engine_index, msg.wave)
 
     def _run_utility(self, call: UtilityRequest) -> None:
+        self._reply_utility(call, self._call_utility(call))
+
+    def _call_utility(self, call: UtilityRequest) -> UtilityOutput:
         out = UtilityOutput(call.call_id)
         try:
             signature_of(call.method)  # refuses anything off the allow-list
@@ -300,11 +316,15 @@ class EngineCoreProc(EngineCore):
         except Exception as e:  # noqa: BLE001 - the failure goes back to the caller
             logger.warning("utility %s failed: %s", call.method, e)
             out.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
+        return out
+
+    def _reply_utility(self, call: UtilityRequest, out: UtilityOutput) -> None:
         if not 0 <= call.client_index < self.client_count:
             logger.warning("utility call %d names unknown client %d; dropped", call.call_id,
                            call.client_index)
             return
-        self.output_queue.put_nowait((call.client_index, EngineCoreOutputs(utility_output=out)))
+        self.output_queue.put_nowait((call.client_index, EngineCoreOutputs(
+            engine_index=self.engine_index, utility_output=out)))
 
     # -- shutdown ----------------------------------------------------------------------------------
     def send_engine_dead(self) -> None:
@@ -336,6 +356,10 @@ class _Shutdown(BaseException):
     pass
 
 
+class RankRemoved(BaseException):
+    """This data-parallel rank left the group in a rescale; the process exits cleanly."""
+
+
 def run_engine_core(
     config: EngineConfig,
     handshake_address: str,
@@ -365,11 +389,18 @@ def run_engine_core(
     engine: EngineCoreProc | None = None
     exit_code = 0
     try:
-        engine = EngineCoreProc(config, handshake_address, executor_class, log_stats,
-                                engine_index, handshake_timeout_s)
+        cls = EngineCoreProc
+        if config.parallel_config.data_parallel_size > 1:
+            from enginecore.core.dp_engine_core_proc import DPEngineCoreProc
+
+            cls = DPEngineCoreProc
+        engine = cls(config, handshake_address, executor_class, log_stats, engine_index,
+                     handshake_timeout_s)
         engine.run_busy_loop()
     except _Shutdown as e:
         logger.info("engine %d shutting down on %s", engine_index, e)
+    except RankRemoved:
+        logger.info("engine %d left the data-parallel group; exiting", engine_index)
     except BaseException:
         exit_code = 1
         logger.error("engine %d died:\n%s", engine_index, traceback.format_exc())

@@ -17,7 +17,8 @@ UTILITY_METHODS: frozenset[str] = frozenset({
     "add_lora", "remove_lora", "list_loras", "pin_lora", "collective_rpc",
     "save_sharded_state", "set_weight_version", "get_weight_version",
     "get_kv_cache_group_metadata", "get_supported_tasks", "make_stats", "get_request_counts",
-    "echo", "reset_mm_cache", "reset_encoder_cache",
+    "echo", "reset_mm_cache", "reset_encoder_cache", "barrier", "reinitialize_distributed",
+    "get_dp_state",
 })
 
 

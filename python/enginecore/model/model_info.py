@@ -110,7 +110,19 @@ def resolve_model_config(
         head_dim=arch.head_dim,
         architecture=arch.architecture,
         model_path=path,
+        is_moe=_is_moe(path),
     )
+
+
+def _is_moe(path: str) -> bool:
+    """Whether config.json names experts (MoE: data-parallel lockstep by default)."""
+    cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    if cfg_file is None or not os.path.exists(cfg_file):
+        return False
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    return any(int(cfg.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts",
+                                                  "n_routed_experts"))
 
 
 def _encoder_model_config(name, path, dtype, device, seed, max_model_len) -> ModelConfig:

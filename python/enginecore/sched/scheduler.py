@@ -87,6 +87,9 @@ class Scheduler:
         self.track_in_flight = track_in_flight
         self.in_flight: set[str] = set()
         self.pause_state = PauseState.UNPAUSED
+        # Lockstep data parallel turns this off on steps off the prefill cadence.
+        self.admit_new_prefills = True
+        self.num_admitted = 0  # requests moved from waiting to running, ever
         self.structured_output: Any = None  # set by EngineCore when a model has a tokenizer
         self.step_counter = 0
         self.num_preempted_total = 0
@@ -257,7 +260,7 @@ class Scheduler:
                     request.spec_token_ids = []
                 req_index += 1
 
-        if not preempted and pause == PauseState.UNPAUSED:
+        if not preempted and pause == PauseState.UNPAUSED and self.admit_new_prefills:
             waiting = self.waiting
             skipped: list[Request] = []
             active_loras = ({r.lora_int_id for r in self.running if r.lora_request}
@@ -288,6 +291,7 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed
                 scheduled_new.append(request)
+                self.num_admitted += 1
                 num_scheduled_tokens[request.request_id] = num_new
                 token_budget -= num_new
                 if lid:
