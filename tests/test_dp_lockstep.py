@@ -287,3 +287,50 @@ def test_killing_a_lockstep_rank_is_engine_dead_fast_and_nothing_hangs():
     finally:
         c.shutdown()
     assert not any(p.is_alive() for p in c.procs)
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
+    c = EngineCoreClient.make_client(True, False, lockstep_config(
+        data_parallel_lockstep=lockstep, synthetic_step_latency_s=0.002))
+    expected = {f"e{i}": 30 + i % 7 for i in range(90)}
+    got: dict[str, list[int]] = {}
+    finished: dict[str, FinishReason] = {}
+    ranks: set[int] = set()
+
+    def submit(lo, hi):
+        for i in range(lo, hi):
+            c.add_request(EngineCoreRequest(f"e{i}", [i + 1, 5], SamplingParams(
+                max_tokens=expected[f"e{i}"], ignore_eos=True, seed=i)))
+
+    def drain(until_done=False, seconds=0.0):
+        deadline = time.monotonic() + seconds
+        while len(finished) < len(c._engine_of) + len(finished) and (
+                until_done or time.monotonic() < deadline):
+            outs = c.get_output(timeout=30)
+            ranks.add(outs.engine_index)
+            for o in outs.outputs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.finish_reason
+
+    try:
+        submit(0, 30)
+        drain(seconds=0.05)
+        c.scale_elastic_ep(3)  # requests are running on both ranks meanwhile
+        assert c.num_engines == 3 and len(c.procs) == 3
+        assert c.call_utility_on(2, "get_dp_state")["data_parallel_size"] == 3
+        submit(30, 60)
+        drain(seconds=0.05)
+        assert 2 in ranks  # the new rank serves
+        c.scale_elastic_ep(2)
+        assert c.num_engines == 2 and len(c.procs) == 2
+        submit(60, 90)
+        drain(until_done=True)
+        assert set(finished.values()) == {FinishReason.LENGTH}
+        assert {k: len(v) for k, v in got.items()} == expected
+        assert [s["data_parallel_size"] for s in dp_states(c)] == [2, 2]
+        assert c._load == [0, 0] and not c._live
+    finally:
+        c.shutdown()
+    assert not any(p.is_alive() for p in c.procs)

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from enginecore import _native
 from enginecore.client.core_client import EngineCoreClient
+from enginecore.client.elastic import ElasticScaling
 from enginecore.client.sockets import Addresses, rank_devices
 from enginecore.config import EngineConfig
 from enginecore.core.utility import convert_result, signature_of
@@ -195,55 +196,77 @@ class MPClient(EngineCoreClient):
     # -- start-up ----------------------------------------------------------------------------
     def _start_engine(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
         """Spawn one engine per data-parallel rank and run the handshake with all."""
-        from enginecore.core.engine_core_proc import run_engine_core
-
-        handshake = self.ctx.socket(zmq.ROUTER)
-        handshake.setsockopt(zmq.LINGER, 0)
+        level = engine_log_level if engine_log_level is not None else (
+            logging.getLogger().getEffectiveLevel())
+        config = self.config
+        if config.use_native is None:
+            # The engines follow this process's hot-path choice (env or set_native).
+            config = dataclasses.replace(config, use_native=_native._enabled and
+                                         _native._ext is not None)
+        self._spawn_config = config
+        self._spawn_args = dict(executor_class=executor_class, log_stats=log_stats,
+                                handshake_timeout_s=timeout_s, log_level=level)
+        handshake, hs_address = self._bind_handshake(
+            self.config.parallel_config.data_parallel_rpc_port
+            if self.num_local_engines < self.num_engines else 0)
         try:
-            hs_address = self._addresses.bind(
-                handshake, "handshake.sock",
-                self.config.parallel_config.data_parallel_rpc_port
-                if self.num_local_engines < self.num_engines else 0)
-            level = engine_log_level if engine_log_level is not None else (
-                logging.getLogger().getEffectiveLevel())
-            config = self.config
-            if config.use_native is None:
-                # The engines follow this process's hot-path choice (env or set_native).
-                config = dataclasses.replace(config, use_native=_native._enabled and
-                                             _native._ext is not None)
-            devices = rank_devices(config)
-            ctx = multiprocessing.get_context("spawn")
-            for rank in self.ranks[: self.num_local_engines]:
-                rank_config = dataclasses.replace(
-                    config, parallel_config=dataclasses.replace(
-                        config.parallel_config, data_parallel_rank=rank))
-                proc = ctx.Process(
-                    target=run_engine_core, name=f"EngineCore_DP{rank}",
-                    kwargs=dict(config=rank_config, handshake_address=hs_address,
-                                executor_class=executor_class, log_stats=log_stats,
-                                engine_index=rank, handshake_timeout_s=timeout_s,
-                                parent_pid=os.getpid(), log_level=level,
-                                visible_devices=devices[rank % len(devices)] if devices
-                                else None),
-                    daemon=True)
-                proc.start()
-                self.procs.append(proc)
-            self._handshake_all(handshake, timeout_s)
-            # Each engine's input sockets say hello once connected; only then can we route.
-            for i, (inp, _, _, _) in enumerate(self._front_ends):
-                for _ in range(self.num_engines):
-                    if not inp.poll(int(timeout_s * 1000)):
-                        raise TimeoutError(f"an engine did not connect its input socket for "
-                                           f"front-end {i} within {timeout_s:g} s")
-                    inp.recv_multipart()
+            local = self.ranks[: self.num_local_engines]
+            self.procs.extend(self._spawn_ranks(local, hs_address, config))
+            ready = self._handshake(handshake, timeout_s, self.ranks, dict(zip(local, self.procs)))
+            first = ready[self.ranks[0]]
+            self.num_gpu_blocks = first.num_gpu_blocks
+            self.max_model_len = first.max_model_len
+            self._await_input_sockets(self.num_engines, timeout_s)
         finally:
             handshake.close(linger=0)
 
-    def _where(self, rank: int) -> str:
-        local = dict(zip(self.ranks, self.procs))
-        return f"pid {local[rank].pid}" if rank in local else "headless"
+    def _bind_handshake(self, port: int = 0) -> tuple[zmq.Socket, str]:
+        handshake = self.ctx.socket(zmq.ROUTER)
+        handshake.setsockopt(zmq.LINGER, 0)
+        self._handshakes = getattr(self, "_handshakes", 0) + 1
+        try:
+            return handshake, self._addresses.bind(
+                handshake, f"handshake{self._handshakes}.sock", port)
+        except BaseException:
+            handshake.close(linger=0)
+            raise
 
-    def _handshake_all(self, handshake: zmq.Socket, timeout_s: float) -> None:
+    def _spawn_ranks(self, ranks: list[int], hs_address: str, config: EngineConfig,
+                     ) -> list[multiprocessing.process.BaseProcess]:
+        from enginecore.core.engine_core_proc import run_engine_core
+
+        devices = rank_devices(config)
+        ctx = multiprocessing.get_context("spawn")
+        procs = []
+        for rank in ranks:
+            rank_config = dataclasses.replace(
+                config, parallel_config=dataclasses.replace(
+                    config.parallel_config, data_parallel_rank=rank))
+            proc = ctx.Process(
+                target=run_engine_core, name=f"EngineCore_DP{rank}",
+                kwargs=dict(config=rank_config, handshake_address=hs_address,
+                            engine_index=rank, parent_pid=os.getpid(),
+                            visible_devices=devices[rank % len(devices)] if devices else None,
+                            **self._spawn_args),
+                daemon=True)
+            proc.start()
+            procs.append(proc)
+        return procs
+
+    def _await_input_sockets(self, count: int, timeout_s: float) -> None:
+        """Each engine's input sockets say hello once connected; only then can we route."""
+        for i, (inp, _, _, _) in enumerate(self._front_ends):
+            for _ in range(count):
+                if not inp.poll(int(timeout_s * 1000)):
+                    raise TimeoutError(f"an engine did not connect its input socket for "
+                                       f"front-end {i} within {timeout_s:g} s")
+                inp.recv_multipart()
+
+    def _handshake(self, handshake: zmq.Socket, timeout_s: float, ranks: list[int],
+                   local: dict[int, multiprocessing.process.BaseProcess],
+                   on_all_hello: Any = None) -> dict[int, HandshakeReady]:
+        """HELLO -> INIT -> READY with ``ranks``; ``on_all_hello()`` runs once every
+        one of them has its INIT (an elastic scale-up triggers the rescale there)."""
         decoder = msgspec.msgpack.Decoder(HandshakeMessage)
         encoder = msgspec.msgpack.Encoder()
         pc = self.config.parallel_config
@@ -257,15 +280,15 @@ class MPClient(EngineCoreClient):
         said_hello: set[int] = set()
         ready: dict[int, HandshakeReady] = {}
         deadline = time.monotonic() + timeout_s
-        while len(ready) < self.num_engines:
+        while len(ready) < len(ranks):
             if time.monotonic() > deadline:
                 missing = ", ".join(
-                    f"engine {i} ({self._where(i)}) did not send "
-                    f"{'READY' if i in said_hello else 'HELLO'}"
-                    for i in self.ranks if i not in ready)
+                    f"engine {i} ({f'pid {local[i].pid}' if i in local else 'headless'}) did "
+                    f"not send {'READY' if i in said_hello else 'HELLO'}"
+                    for i in ranks if i not in ready)
                 raise TimeoutError(f"handshake timed out after {timeout_s:g} s "
                                    f"(handshake_timeout_s): {missing}")
-            for i, proc in zip(self.ranks, self.procs):
+            for i, proc in local.items():
                 if i not in ready and not proc.is_alive():
                     raise RuntimeError(
                         f"engine {i} (pid {proc.pid}) exited with code {proc.exitcode} before "
@@ -277,13 +300,14 @@ class MPClient(EngineCoreClient):
             if isinstance(msg, HandshakeHello):
                 said_hello.add(msg.engine_index)
                 handshake.send_multipart([identity, init])
+                if on_all_hello is not None and said_hello >= set(ranks):
+                    on_all_hello()
+                    on_all_hello = None
             elif isinstance(msg, HandshakeReady):
                 ready[msg.engine_index] = msg
             elif isinstance(msg, HandshakeFailed):
                 raise RuntimeError(f"engine {msg.engine_index} failed to start: {msg.error}")
-        first = ready[self.ranks[0]]
-        self.num_gpu_blocks = first.num_gpu_blocks
-        self.max_model_len = first.max_model_len
+        return ready
 
     def _watched(self) -> list[multiprocessing.process.BaseProcess]:
         procs = [p for p in self.procs if p not in self._leaving]
@@ -493,7 +517,7 @@ class MPClient(EngineCoreClient):
         self.ctx.destroy(linger=0)
 
 
-class SyncMPClient(MPClient):
+class SyncMPClient(ElasticScaling, MPClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._post_init()
@@ -560,6 +584,9 @@ class SyncMPClient(MPClient):
 
     def _call(self, engine: int | None, method: str, args: tuple,
               timeout: float | None) -> Any:
+        return self._call_nowait(engine, method, args).result(timeout=timeout)
+
+    def _call_nowait(self, engine: int | None, method: str, args: tuple) -> Future:
         fut: Future = Future()
         call_id, per_engine = self._utility_frames(method, args, fut, engine)
         try:
@@ -570,7 +597,7 @@ class SyncMPClient(MPClient):
             raise
         if self._dead and not fut.done():
             fut.set_exception(EngineDeadError())
-        return fut.result(timeout=timeout)
+        return fut
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -130,12 +130,13 @@ def run_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], conn: An
 
     def broadcast(wave: int, exclude: int) -> None:
         payload = status_enc.encode(StartDPWave(wave, exclude))
-        for ident in sorted(coord.registered):
+        for ident in sorted(coord.registered):  # a copy: failures shrink the set
             try:
                 engine_router.send_multipart([ident, _START_DP_WAVE, payload])
-            except zmq.ZMQError as e:  # a rank that went away
-                logger.warning("START_DP_WAVE to rank %d failed: %s",
-                               int.from_bytes(ident, "little"), e)
+            except zmq.ZMQError as e:  # a rank that went away (or left in a rescale)
+                logger.info("rank %d is gone (%s); no more waves for it",
+                            int.from_bytes(ident, "little"), e)
+                coord.registered.discard(ident)
 
     while True:
         if os.getppid() != parent_pid:

@@ -138,17 +138,19 @@ class DPEngineCoreProc(EngineCoreProc):
     def _agree(self, agreed: dict[str, int]) -> bool:
         """Every rank has received ``agreed[m]`` calls of m: reply to those.
         True when the group was rescaled."""
-        rescaled = False
         for method, count in agreed.items():
             owed = self._owed[method]
             while owed and self._completed[method] < count:
                 call, out = owed.pop(0)
                 self._completed[method] += 1
                 if method == "reinitialize_distributed":
+                    # The counts start over in the new group (new ranks start at 0);
+                    # what is left is agreed there.
                     self._rescale()
-                    rescaled = True
+                    self._reply_utility(call, out)
+                    return True
                 self._reply_utility(call, out)
-        return rescaled
+        return False
 
     def pause_scheduler(self, mode: str = "abort") -> None:
         super().pause_scheduler(mode)  # applies here now; returns once every rank has
@@ -183,6 +185,9 @@ class DPEngineCoreProc(EngineCoreProc):
             return
         self.dp_size = new_size
         self.config.parallel_config.data_parallel_size = new_size
+        for m in AGREED_CALLS:  # a new group counts agreed calls from zero
+            self._received[m] = len(self._owed[m])
+            self._completed[m] = 0
         if self.lockstep:
             assert self._store_address is not None
             self.dp_group = StatelessDPGroup(self._store_address, self.dp_rank, new_size,
@@ -193,6 +198,8 @@ class DPEngineCoreProc(EngineCoreProc):
 
     # -- busy loop ---------------------------------------------------------------------------
     def _idle(self) -> bool:
+        if self._removed:
+            return False  # leave the loop: this rank is done
         if not self.lockstep:
             return not self._has_work()
         return not (self._has_work() or self.engines_running or self._outstanding())
@@ -200,6 +207,8 @@ class DPEngineCoreProc(EngineCoreProc):
     def run_busy_loop(self) -> None:
         while not self._removed:
             self._process_input_queue()
+            if self._removed:
+                break
             if self.lockstep:
                 self._lockstep_step()
             else:
