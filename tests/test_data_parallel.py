@@ -1,5 +1,6 @@
 """Data parallel, independent engines (dense models): DP=2 behind one load-
-balancing client. Lockstep waves, the coordinator and Ray are not built yet."""
+balancing client and the coordinator. Lockstep waves: test_dp_lockstep.py; Ray:
+test_dp_ray.py."""
 
 from __future__ import annotations
 
@@ -157,10 +158,8 @@ def test_ranks_must_fit_the_visible_devices(monkeypatch):
 def test_unsupported_dp_settings_are_clear_errors():
     with pytest.raises(ValueError, match="multiprocess_mode"):
         EngineCoreClient.make_client(False, False, config())
-    with pytest.raises(NotImplementedError, match="ray"):
-        EngineCoreClient.make_client(True, False, EngineArgs(
-            model="synthetic", data_parallel_size=2,
-            data_parallel_backend="ray").create_engine_config())
+    with pytest.raises(ValueError, match="data_parallel_backend"):
+        EngineArgs(model="synthetic", data_parallel_backend="slurm").create_engine_config()
 
 
 def free_port() -> int:

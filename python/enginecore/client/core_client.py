@@ -28,9 +28,6 @@ class EngineCoreClient(abc.ABC):
         if pc.data_parallel_size > 1 and not multiprocess_mode:
             raise ValueError("data_parallel_size > 1 needs multiprocess_mode=True "
                              "(one engine process per rank)")
-        if pc.data_parallel_backend == "ray":
-            raise NotImplementedError(
-                "data_parallel_backend='ray' is not implemented yet; use 'mp' (one machine)")
         if multiprocess_mode:
             from enginecore.client.mp_client import AsyncMPClient, SyncMPClient
 

@@ -43,6 +43,9 @@ class ElasticScaling:
         if not self._owner or len(self._front_ends) > 1:
             raise NotImplementedError("elastic scaling from a client with attached front-ends "
                                       "(client_count > 1) is not supported yet")
+        if self._ray is not None:
+            raise NotImplementedError("elastic scaling with data_parallel_backend='ray' is not "
+                                      "supported yet")
         if self.num_local_engines < old:
             raise NotImplementedError("elastic scaling with headless (remote) ranks is not "
                                       "supported yet")

@@ -73,6 +73,11 @@ class MPClient(EngineCoreClient):
         self._owner = True
         pc = config.parallel_config
         self.num_local_engines = min(pc.data_parallel_size_local, self.num_engines)
+        self._ray: Any = None
+        if pc.data_parallel_backend == "ray":
+            # Ray places every rank (on this node or others): all are ours, over TCP.
+            self.num_local_engines = self.num_engines
+            transport = "tcp"
         if self.num_local_engines < self.num_engines:
             # Some ranks are headless engines elsewhere: they reach us over TCP.
             transport = "tcp"
@@ -102,7 +107,12 @@ class MPClient(EngineCoreClient):
                 self._front_ends.append((inp, out, in_addr, out_addr))
             (self.input_socket, self.output_socket, self.input_address,
              self.output_address) = self._front_ends[0]
-            self._start_engine(executor_class, log_stats, handshake_timeout_s, engine_log_level)
+            if pc.data_parallel_backend == "ray":
+                self._start_ray(executor_class, log_stats, handshake_timeout_s,
+                                engine_log_level)
+            else:
+                self._start_engine(executor_class, log_stats, handshake_timeout_s,
+                                   engine_log_level)
             self._start_monitor()
             self._connect_coordinator()
         except BaseException:
@@ -262,21 +272,41 @@ class MPClient(EngineCoreClient):
                                        f"front-end {i} within {timeout_s:g} s")
                 inp.recv_multipart()
 
+    def _init_message(self) -> bytes:
+        """INIT: where an engine connects, and the parallel settings."""
+        pc = self.config.parallel_config
+        coord = self._coord_addresses or {}
+        return msgspec.msgpack.encode(HandshakeInit(
+            [fe[2] for fe in self._front_ends], [fe[3] for fe in self._front_ends],
+            pc.data_parallel_rank, pc.data_parallel_size,
+            coordinator_input_address=coord.get("engine_input"),
+            coordinator_output_address=coord.get("engine_output"),
+            dp_store_address=self._dp_store_address, dp_group_generation=self._dp_generation))
+
+    def _start_ray(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
+        """Ranks as Ray actors: addresses known up front, no handshake socket."""
+        from enginecore.client.ray_engines import RayEngines
+
+        level = engine_log_level if engine_log_level is not None else (
+            logging.getLogger().getEffectiveLevel())
+        config = self.config
+        if config.use_native is None:
+            config = dataclasses.replace(config, use_native=_native._enabled and
+                                         _native._ext is not None)
+        self._ray = RayEngines()
+        self.num_gpu_blocks, self.max_model_len = self._ray.start(
+            config, self.ranks, self._init_message(), executor_class, log_stats, level,
+            timeout_s)
+        self._await_input_sockets(self.num_engines, timeout_s)
+        self._ray.watch(self._announce_dead)
+
     def _handshake(self, handshake: zmq.Socket, timeout_s: float, ranks: list[int],
                    local: dict[int, multiprocessing.process.BaseProcess],
                    on_all_hello: Any = None) -> dict[int, HandshakeReady]:
         """HELLO -> INIT -> READY with ``ranks``; ``on_all_hello()`` runs once every
         one of them has its INIT (an elastic scale-up triggers the rescale there)."""
         decoder = msgspec.msgpack.Decoder(HandshakeMessage)
-        encoder = msgspec.msgpack.Encoder()
-        pc = self.config.parallel_config
-        coord = self._coord_addresses or {}
-        init = encoder.encode(HandshakeInit(
-            [fe[2] for fe in self._front_ends], [fe[3] for fe in self._front_ends],
-            pc.data_parallel_rank, pc.data_parallel_size,
-            coordinator_input_address=coord.get("engine_input"),
-            coordinator_output_address=coord.get("engine_output"),
-            dp_store_address=self._dp_store_address, dp_group_generation=self._dp_generation))
+        init = self._init_message()
         said_hello: set[int] = set()
         ready: dict[int, HandshakeReady] = {}
         deadline = time.monotonic() + timeout_s
@@ -309,6 +339,23 @@ class MPClient(EngineCoreClient):
                 raise RuntimeError(f"engine {msg.engine_index} failed to start: {msg.error}")
         return ready
 
+    def _announce_dead(self, why: str) -> None:
+        """An engine is gone: every front-end's output socket gets ENGINE_CORE_DEAD,
+        so each waiter learns it at once."""
+        if self._closed:
+            return
+        logger.error("%s", why)
+        self._dead = True
+        for address in [fe[3] for fe in self._front_ends]:
+            try:
+                push = self.ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 1000)
+                push.connect(address)
+                push.send(ENGINE_CORE_DEAD)
+                push.close()
+            except zmq.ZMQError:
+                pass
+
     def _watched(self) -> list[multiprocessing.process.BaseProcess]:
         procs = [p for p in self.procs if p not in self._leaving]
         return procs + ([self.coordinator] if self.coordinator is not None else [])
@@ -318,8 +365,6 @@ class MPClient(EngineCoreClient):
         own output sockets. Ranks leaving in a rescale exit without alarm."""
         self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
         stop_r = self._monitor_stop_r
-        output_addresses = [fe[3] for fe in self._front_ends]
-        ctx = self.ctx
         self_ref = weakref.ref(self)
 
         def monitor() -> None:
@@ -339,19 +384,8 @@ class MPClient(EngineCoreClient):
                 died = [watched[s] for s in ready if watched[s] not in client._leaving]
                 if died:
                     break
-            for proc in died:
-                logger.error("%s (pid %s) died with exit code %s", proc.name, proc.pid,
-                             proc.exitcode)
-            client._dead = True
-            for address in output_addresses:
-                try:
-                    push = ctx.socket(zmq.PUSH)
-                    push.setsockopt(zmq.LINGER, 1000)
-                    push.connect(address)
-                    push.send(ENGINE_CORE_DEAD)
-                    push.close()
-                except zmq.ZMQError:
-                    pass
+            client._announce_dead(", ".join(
+                f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}" for p in died))
 
         self._monitor = threading.Thread(target=monitor, daemon=True, name="enginecore-monitor")
         self._monitor.start()
@@ -498,6 +532,8 @@ class MPClient(EngineCoreClient):
             self._monitor_stop_w.send(b"x")
         if self.coordinator is not None and self.coordinator.is_alive():
             self.coordinator.terminate()
+        if self._ray is not None:
+            self._ray.shutdown()
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()  # SIGTERM: the engine shuts down cleanly

@@ -68,7 +68,10 @@ class EngineCoreProc(EngineCore):
         log_stats: bool = False,
         engine_index: int = 0,
         handshake_timeout_s: float = 60.0,
+        init: HandshakeInit | None = None,
     ) -> None:
+        """``handshake_address``: run the HELLO/INIT/READY handshake there; or, with
+        ``init`` (Ray: addresses known up front), start from it with no handshake."""
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         from enginecore import _native
@@ -82,8 +85,11 @@ class EngineCoreProc(EngineCore):
         self.output_queue = PyBlockingQueue()
         self.ctx = zmq.Context()
         try:
-            self._start(config, handshake_address, executor_class, log_stats, engine_index,
-                        handshake_timeout_s)
+            if init is not None:
+                self._start_from(init, config, executor_class, log_stats)
+            else:
+                self._start(config, handshake_address, executor_class, log_stats,
+                            engine_index, handshake_timeout_s)
         except BaseException:
             self.ctx.destroy(linger=0)
             raise
@@ -121,6 +127,13 @@ class EngineCoreProc(EngineCore):
             engine_index, self.config.cache_config.num_gpu_blocks or 0,
             self.scheduler.max_model_len))
         self._handshake.close()
+
+    def _start_from(self, init: HandshakeInit, config, executor_class, log_stats) -> None:
+        self.client_count = len(init.output_addresses)
+        super().__init__(config, executor_class, log_stats,
+                         executor_fail_callback=self._on_executor_failure)
+        self._init_data_parallel(init)
+        self._start_io_threads(init)
 
     def _init_data_parallel(self, init: HandshakeInit) -> None:
         """DPEngineCoreProc joins its DP group here (before READY)."""

@@ -1,0 +1,97 @@
+"""Data parallel on Ray (data_parallel_backend="ray"): DPEngineCoreActor ranks in
+placement groups on a local Ray cluster started by this module."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, SamplingParams
+from enginecore.client import EngineCoreClient
+
+from test_data_parallel import N, drain_by_rank, reference, reqs
+from test_dp_lockstep import dp_states, wait_for
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def ray_config(**kw):
+    return EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
+                      data_parallel_backend="ray", **kw).create_engine_config()
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
+    c = EngineCoreClient.make_client(True, False, ray_config(
+        data_parallel_lockstep=lockstep, synthetic_step_latency_s=0.001))
+    try:
+        assert len(c._ray.actors) == 2 and len(c._ray.placement_groups) == 2
+        assert c.input_address.startswith("tcp://127.0.0.1:")
+        assert len(set(c._ray.pids()) | {os.getpid()}) == 3  # two actor processes
+        for r in reqs():
+            c.add_request(r)
+        got, served = drain_by_rank(c)
+        assert got == reference()
+        assert min(served) >= 0.4 * N, served
+        if lockstep:
+            assert wait_for(lambda: not c._link.engines_running)
+            states = dp_states(c)
+            assert len({s["current_wave"] for s in states}) == 1
+            assert not any(s["engines_running"] for s in states)
+        assert c._load == [0, 0] and not c._live
+        assert c.call_utility("get_request_counts") == (0, 0)
+    finally:
+        c.shutdown()
+
+
+def test_ray_tiny_real_model_dp2(tmp_path):
+    from tiny_models import make_tiny_model
+
+    from enginecore import EngineCore
+    from helpers import run_to_completion
+
+    path = make_tiny_model(str(tmp_path / "m"), seed=4)
+    common = dict(model=path, dtype="float32", block_size=4, max_model_len=128,
+                  kv_cache_memory_bytes=16 << 20)
+    requests = [EngineCoreRequest(f"t{i}", [i + 3, 9, 11], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True)) for i in range(12)]
+    eng = EngineCore(EngineArgs(**common).create_engine_config())
+    for r in requests:
+        eng.add_request(r)
+    expected = {k: v["tokens"] for k, v in run_to_completion(eng).items()}
+    c = EngineCoreClient.make_client(True, False, EngineArgs(
+        **common, data_parallel_size=2, data_parallel_backend="ray").create_engine_config())
+    try:
+        for r in requests:
+            c.add_request(r)
+        got, served = drain_by_rank(c, len(requests))
+    finally:
+        c.shutdown()
+    assert got == expected and min(served) > 0
+
+
+def test_killing_a_ray_rank_is_engine_dead_fast():
+    c = EngineCoreClient.make_client(True, False, ray_config(
+        data_parallel_lockstep=True, synthetic_step_latency_s=0.005))
+    try:
+        for i in range(4):
+            c.add_request(EngineCoreRequest(f"k{i}", [1, i], SamplingParams(
+                max_tokens=10**4, ignore_eos=True)))
+        c.get_output(timeout=10)
+        os.kill(c._ray.pids()[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            while True:
+                c.get_output(timeout=5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        c.shutdown()
