@@ -232,3 +232,70 @@ def test_external_lb_each_front_end_talks_to_its_own_rank():
     finally:
         for c in clients:
             c.shutdown()
+
+
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(p) for p in f.read().split()]
+    engines = []
+    for kid in kids:
+        with open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                engines.append(kid)
+    return engines
+
+
+def test_headless_rank_death_and_front_end_death_are_noticed():
+    """kill -9 of a remote rank is EngineDeadError at the front-end (its connection
+    drops); a front-end going away ends the headless engines."""
+    import subprocess
+    import sys
+
+    def start_headless(port):
+        return subprocess.Popen(
+            [sys.executable, "-m", "enginecore.entrypoints.cli", "engine", "--headless",
+             "--model", "synthetic", "--block-size", "4", "--data-parallel-size", "2",
+             "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+             "--data-parallel-rpc-port", str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def front_end(port):
+        cfg = EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
+                         data_parallel_size_local=1, synthetic_step_latency_s=0.01,
+                         data_parallel_rpc_port=port).create_engine_config()
+        return EngineCoreClient.make_client(True, False, cfg, handshake_timeout_s=60)
+
+    port = free_port()
+    headless = start_headless(port)
+    try:
+        c = front_end(port)
+        try:
+            for i in range(4):
+                c.add_request(EngineCoreRequest(f"h{i}", [1, i], SamplingParams(
+                    max_tokens=10**4, ignore_eos=True)))
+            c.get_output(timeout=10)
+            os.kill(child_pids(headless.pid)[0], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                while True:
+                    c.get_output(timeout=10)
+            assert time.monotonic() - t0 < 5
+        finally:
+            c.shutdown()
+    finally:
+        headless.kill()
+        headless.communicate(timeout=30)
+    # The other way round: the front-end goes, the headless engine follows.
+    port = free_port()
+    headless = start_headless(port)
+    try:
+        c = front_end(port)
+        c.shutdown()
+        t0 = time.monotonic()
+        headless.wait(timeout=15)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+        out, err = headless.communicate(timeout=30)
+    assert "went away" in err, err[-2000:]

@@ -167,6 +167,11 @@ class EngineCoreOutputs(
 # Sent by the engine as the whole payload when it dies, on every output socket.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
+# ZMTP heartbeats on engine <-> front-end request connections: a peer that
+# vanishes (kill -9 on another node) drops the connection within seconds.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+
 
 # -- start-up handshake (engine DEALER <-> front-end ROUTER) -----------------------------
 

@@ -36,6 +36,8 @@ from enginecore.errors import EngineDeadError
 from enginecore.executor.abstract import Executor
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
+    HEARTBEAT_IVL_MS,
+    HEARTBEAT_TIMEOUT_MS,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -100,6 +102,10 @@ class MPClient(EngineCoreClient):
                 inp = self.ctx.socket(zmq.ROUTER)
                 inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 inp.setsockopt(zmq.LINGER, 0)
+                # Heartbeats: a headless rank on another node that dies (kill -9, power)
+                # drops its connection within seconds (see _watch_remote_ranks).
+                inp.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+                inp.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
                 in_addr = self._addresses.bind(inp, f"input{i}.sock")
                 out = self.ctx.socket(zmq.PULL)
                 out.setsockopt(zmq.LINGER, 0)
@@ -114,6 +120,8 @@ class MPClient(EngineCoreClient):
                 self._start_engine(executor_class, log_stats, handshake_timeout_s,
                                    engine_log_level)
             self._start_monitor()
+            if self.num_local_engines < self.num_engines or self._ray is not None:
+                self._watch_remote_ranks()
             self._connect_coordinator()
         except BaseException:
             self.shutdown()
@@ -338,6 +346,38 @@ class MPClient(EngineCoreClient):
             elif isinstance(msg, HandshakeFailed):
                 raise RuntimeError(f"engine {msg.engine_index} failed to start: {msg.error}")
         return ready
+
+    def _watch_remote_ranks(self) -> None:
+        """Ranks we have no process handle for (headless, Ray): their input
+        connection dropping means they died."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        monitor = self.input_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self_ref = weakref.ref(self)
+
+        def watch() -> None:
+            while True:
+                try:
+                    if not monitor.poll(200):
+                        client = self_ref()
+                        if client is None or client._closed:
+                            break
+                        del client
+                        continue
+                    event = recv_monitor_message(monitor)
+                except zmq.ZMQError:
+                    break
+                client = self_ref()
+                if client is None or client._closed:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    client._announce_dead(f"an engine disconnected from {client.input_address} "
+                                          "(a remote rank died or its node went away)")
+                    break
+                del client
+            monitor.close(linger=0)
+
+        threading.Thread(target=watch, daemon=True, name="enginecore-remote-watch").start()
 
     def _announce_dead(self, why: str) -> None:
         """An engine is gone: every front-end's output socket gets ENGINE_CORE_DEAD,

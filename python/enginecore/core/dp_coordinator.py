@@ -78,6 +78,9 @@ class DPCoordinator:
         return None
 
     def on_front_end(self, msg: WaveStartRequest) -> tuple[int, int] | None:
+        # The front-end assumed the engines running once it asked: it always gets
+        # the real state back, even when the ask is ignored.
+        self.changed = True
         if not self.lockstep or self.engines_running or msg.wave < self.current_wave:
             # Running, or the front-end's wave already ran: the request went in with
             # it, or its engine finds the wave stale and asks for the next itself.

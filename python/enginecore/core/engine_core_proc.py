@@ -30,6 +30,8 @@ from enginecore.core.utility import convert_args, signature_of
 from enginecore.executor.abstract import Executor
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
+    HEARTBEAT_IVL_MS,
+    HEARTBEAT_TIMEOUT_MS,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -170,11 +172,19 @@ class EngineCoreProc(EngineCore):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, self.identity)
             sock.setsockopt(zmq.LINGER, 0)
+            # ZMTP heartbeats: a front-end that vanishes (another node, kill -9) drops
+            # the connection within seconds instead of never.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             sock.connect(addr)
             # An empty message registers this engine with the front-end's ROUTER.
             sock.send(b"")
             poller.register(sock, zmq.POLLIN)
             sockets.append(sock)
+        # The owning front-end going away ends the engine (a headless node would
+        # otherwise serve nobody forever).
+        owner_events = sockets[0].get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller.register(owner_events, zmq.POLLIN)
         self._io_ready.wait()
         add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         abort_decoder = msgspec.msgpack.Decoder(list[str])
@@ -187,6 +197,9 @@ class EngineCoreProc(EngineCore):
             except zmq.ZMQError:
                 break
             for sock, _ in events:
+                if sock is owner_events:
+                    self._owner_gone(owner_events, addresses[0])
+                    continue
                 try:
                     frames = sock.recv_multipart()
                 except zmq.ZMQError:
@@ -198,8 +211,20 @@ class EngineCoreProc(EngineCore):
                     logger.warning("engine %d dropped a malformed message (%d frames, "
                                    "first bytes %r): %s", self.engine_index, len(frames),
                                    frames[0][:8] if frames else b"", e)
+        sockets[0].disable_monitor()
+        owner_events.close(linger=0)
         for sock in sockets:
             sock.close(linger=0)
+
+    def _owner_gone(self, monitor: zmq.Socket, address: str) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED and not self._stop.is_set():
+            logger.error("engine %d: the front-end at %s went away; shutting down",
+                         self.engine_index, address)
+            self.input_queue.put_nowait((_EXECUTOR_FAILED, f"the front-end at {address} "
+                                                           "went away"))
 
     def _dispatch_input(self, frames, put, add_dec, abort_dec, util_dec, wave_dec) -> None:
         if len(frames) != 2:
@@ -301,7 +326,7 @@ class EngineCoreProc(EngineCore):
         elif kind is _UTILITY:
             self._run_utility(payload)
         elif kind is _EXECUTOR_FAILED:
-            raise RuntimeError("the executor reported a failure")
+            raise RuntimeError(payload or "the executor reported a failure")
         elif kind is _START_DP_WAVE:
             self._handle_start_wave(payload)
 
