@@ -7,6 +7,7 @@ namespace py = pybind11;
 namespace enginecore {
 void bind_block_hash(py::module_& m);
 void bind_blocking_queue(py::module_& m);
+void bind_output_encoder(py::module_& m);
 }  // namespace enginecore
 
 #ifndef ENGINECORE_VERSION
@@ -19,4 +20,5 @@ PYBIND11_MODULE(_C, m) {
         "Version of the package the extension was built for.");
   enginecore::bind_block_hash(m);
   enginecore::bind_blocking_queue(m);
+  enginecore::bind_output_encoder(m);
 }

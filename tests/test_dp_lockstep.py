@@ -251,14 +251,14 @@ def test_staggered_barriers_pair_up():
 
 @pytest.mark.parametrize("interval", [1, 4])
 def test_prefill_throttling_admits_on_cadence_steps(interval):
+    # Two running slots per rank: queued requests are admitted as others finish
+    # (after 3-7 tokens), i.e. on all sorts of steps unless throttled.
     c = EngineCoreClient.make_client(True, False, lockstep_config(
-        prefill_schedule_interval=interval, synthetic_step_latency_s=0.001))
+        prefill_schedule_interval=interval, max_num_seqs=2, synthetic_step_latency_s=0.001))
     try:
         for i in range(40):
             c.add_request(EngineCoreRequest(f"t{i}", [i + 1, 2], SamplingParams(
                 max_tokens=3 + i % 5, ignore_eos=True), data_parallel_rank=i % 2))
-            if i % 8 == 7:
-                time.sleep(0.003)  # arrivals spread over steps
         got, _ = drain_by_rank(c, 40)
         assert len(got) == 40
         steps = [s for st in dp_states(c) for s in st["admission_steps"]]

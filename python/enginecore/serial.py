@@ -1,11 +1,17 @@
-"""msgpack encoding of engine outputs into buffers reused across steps (the
-Python twin of csrc/output_encoder.cpp), and the decoders the engine uses."""
+"""msgpack encoding of engine outputs into buffers reused across steps.
+
+``EngineCoreOutputs`` objects go through msgspec. ``ColumnarOutputs`` (the
+process engine's native path) go through ``_C.encode_columnar``, or, on the
+Python path, through msgspec after ``to_struct()``: the same bytes either way.
+"""
 
 from __future__ import annotations
 
 import msgspec
 
+from enginecore import _native
 from enginecore.protocol import EngineCoreOutputs
+from enginecore.sched.columnar_outputs import ColumnarOutputs
 
 
 class OutputEncoder:
@@ -20,18 +26,34 @@ class OutputEncoder:
         self._free: list[bytearray] = []
         self.num_allocated = 0
 
-    def encode(self, outputs: EngineCoreOutputs) -> bytearray:
+    def encode(self, outputs: EngineCoreOutputs | ColumnarOutputs) -> bytearray:
         while self._free:
             buf = self._free.pop()
             try:
-                self._encoder.encode_into(outputs, buf)
+                self.encode_into(outputs, buf)
                 return buf
             except BufferError:  # still exported by a zmq frame: leave it to the GC
                 continue
         buf = bytearray()
         self.num_allocated += 1
-        self._encoder.encode_into(outputs, buf)
+        self.encode_into(outputs, buf)
         return buf
+
+    def encode_into(self, outputs: EngineCoreOutputs | ColumnarOutputs,
+                    buf: bytearray) -> None:
+        if type(outputs) is not ColumnarOutputs:
+            self._encoder.encode_into(outputs, buf)
+            return
+        ext = _native.extension()
+        if ext is None:
+            self._encoder.encode_into(outputs.to_struct(), buf)
+            return
+        enc = self._encoder.encode
+        stats = outputs.scheduler_stats
+        specials = outputs.specials
+        ext.encode_columnar(outputs.engine_index, outputs.request_ids, outputs.new_token_ids,
+                            [enc(o) for o in specials] if specials else specials,
+                            None if stats is None else enc(stats), outputs.timestamp, buf)
 
     def release(self, buf: bytearray) -> None:
         self._free.append(buf)

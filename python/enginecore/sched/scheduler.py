@@ -23,6 +23,7 @@ from enginecore.protocol import (
     SchedulerStats,
 )
 from enginecore.request import Request, RequestStatus
+from enginecore.sched.columnar_outputs import ColumnarOutputs
 from enginecore.sched.kv_cache_manager import KVCacheManager
 from enginecore.sched.output import (
     CachedRequestData,
@@ -90,6 +91,9 @@ class Scheduler:
         # Lockstep data parallel turns this off on steps off the prefill cadence.
         self.admit_new_prefills = True
         self.num_admitted = 0  # requests moved from waiting to running, ever
+        # The process engine on the native path: step outputs as ColumnarOutputs
+        # (encoded natively), not one EngineCoreOutput object per request.
+        self.columnar_outputs = False
         self.structured_output: Any = None  # set by EngineCore when a model has a tokenizer
         self.step_counter = 0
         self.num_preempted_total = 0
@@ -416,6 +420,17 @@ class Scheduler:
         outputs: dict[int, list[EngineCoreOutput]] = self.pending_outputs
         self.pending_outputs = {}
         stopped: list[Request] = []
+        # Native process path: plain decode outputs become two column appends.
+        columnar = self.columnar_outputs
+        if columnar:
+            cols: dict[int, ColumnarOutputs] = {}
+            for client, owed in outputs.items():
+                col = cols[client] = ColumnarOutputs()
+                for out in owed:
+                    col.append_output(out)
+            last_client = -1
+            col_ids: list[str | None] = []
+            col_toks: list = []
 
         for rid in scheduler_output.num_scheduled_tokens:
             if in_flight is not None:
@@ -427,8 +442,12 @@ class Scheduler:
             if pooled is not None and i is not None and pooled[i] is not None:
                 request.status = _STOPPED
                 stopped.append(request)
-                self._emit(outputs, request, EngineCoreOutput(
-                    rid, [], finish_reason=FinishReason.STOP, pooling_output=pooled[i]))
+                out = EngineCoreOutput(rid, [], finish_reason=FinishReason.STOP,
+                                       pooling_output=pooled[i])
+                if columnar:
+                    self._emit_columnar(cols, request, out)
+                else:
+                    self._emit(outputs, request, out)
                 continue
             new_token_ids = sampled[i] if i is not None else []
             drafts = spec.get(rid)
@@ -470,9 +489,22 @@ class Scheduler:
                     RequestStatus.finish_reason(request.status), request.stop_reason,
                     max(request.num_cached_tokens, 0),
                 )
+            elif columnar and new_logprobs is None:
+                client = request.client_index
+                if client != last_client:
+                    col = cols.get(client)
+                    if col is None:
+                        col = cols[client] = ColumnarOutputs()
+                    col_ids, col_toks, last_client = col.request_ids, col.new_token_ids, client
+                col_ids.append(rid)
+                col_toks.append(new_token_ids)
+                continue
             else:
                 out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
-            self._emit(outputs, request, out)
+            if columnar:
+                self._emit_columnar(cols, request, out)
+            else:
+                self._emit(outputs, request, out)
 
         if stopped:
             gone = {id(r) for r in stopped}
@@ -480,16 +512,24 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
 
-        result = {
+        result: dict[int, Any] = cols if columnar else {
             client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()
         }
         if self.log_stats:
             stats = self.make_stats()
             first = result.get(0) or next(iter(result.values()), None)
             if first is None:
-                first = result[0] = EngineCoreOutputs()
+                first = result[0] = ColumnarOutputs() if columnar else EngineCoreOutputs()
             first.scheduler_stats = stats
         return result
+
+    @staticmethod
+    def _emit_columnar(cols: dict[int, ColumnarOutputs], request: Request,
+                       out: EngineCoreOutput) -> None:
+        col = cols.get(request.client_index)
+        if col is None:
+            col = cols[request.client_index] = ColumnarOutputs()
+        col.append_output(out)
 
     @staticmethod
     def _emit(outputs: dict[int, list[EngineCoreOutput]], request: Request,
