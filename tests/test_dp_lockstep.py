@@ -334,3 +334,41 @@ def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
     finally:
         c.shutdown()
     assert not any(p.is_alive() for p in c.procs)
+
+
+def test_async_scale_2_to_3_to_2_while_serving():
+    async def main():
+        c = EngineCoreClient.make_client(True, True, lockstep_config(
+            synthetic_step_latency_s=0.002))
+        expected = {f"a{i}": 20 + i % 5 for i in range(60)}
+        got: dict[str, int] = {}
+        ranks: set[int] = set()
+
+        async def collect():
+            while len([k for k, v in got.items() if v == expected[k]]) < len(expected):
+                outs = await asyncio.wait_for(c.get_output_async(), 30)
+                ranks.add(outs.engine_index)
+                for o in outs.outputs:
+                    got[o.request_id] = got.get(o.request_id, 0) + len(o.new_token_ids)
+
+        async def submit(lo, hi):
+            for i in range(lo, hi):
+                await c.add_request_async(EngineCoreRequest(f"a{i}", [i + 1, 5], SamplingParams(
+                    max_tokens=expected[f"a{i}"], ignore_eos=True, seed=i)))
+
+        try:
+            collector = asyncio.ensure_future(collect())
+            await submit(0, 20)
+            await c.scale_elastic_ep_async(3)
+            assert c.num_engines == 3
+            await submit(20, 40)
+            await c.scale_elastic_ep_async(2)
+            assert c.num_engines == 2 and len(c.procs) == 2
+            await submit(40, 60)
+            await asyncio.wait_for(collector, 60)
+            assert got == expected and 2 in ranks
+            assert c._load == [0, 0] and not c._live
+        finally:
+            c.shutdown()
+
+    asyncio.run(main())

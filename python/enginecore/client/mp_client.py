@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from enginecore import _native
 from enginecore.client.core_client import EngineCoreClient
-from enginecore.client.elastic import ElasticScaling
+from enginecore.client.elastic import AsyncElasticScaling, ElasticScaling
 from enginecore.client.sockets import Addresses, rank_devices
 from enginecore.config import EngineConfig
 from enginecore.core.utility import convert_result, signature_of
@@ -682,7 +682,7 @@ class SyncMPClient(ElasticScaling, MPClient):
             reader.join(timeout=2)
 
 
-class AsyncMPClient(MPClient):
+class AsyncMPClient(AsyncElasticScaling, MPClient):
     """asyncio client: call it from one event loop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
