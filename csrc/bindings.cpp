@@ -8,6 +8,7 @@ namespace enginecore {
 void bind_block_hash(py::module_& m);
 void bind_blocking_queue(py::module_& m);
 void bind_output_encoder(py::module_& m);
+void bind_scheduler_update(py::module_& m);
 }  // namespace enginecore
 
 #ifndef ENGINECORE_VERSION
@@ -21,4 +22,5 @@ PYBIND11_MODULE(_C, m) {
   enginecore::bind_block_hash(m);
   enginecore::bind_blocking_queue(m);
   enginecore::bind_output_encoder(m);
+  enginecore::bind_scheduler_update(m);
 }

@@ -380,7 +380,16 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait(_SHUTDOWN)
             self.output_thread.join(timeout=5)
             self.input_thread.join(timeout=2)
+            stuck = [t.name for t in (self.output_thread, self.input_thread) if t.is_alive()]
+        else:
+            stuck = []
         super().shutdown()
+        if stuck:
+            # Closing sockets under a live IO thread can hang in zmq_ctx_term; the
+            # process is exiting anyway (run_engine_core ends with os._exit).
+            logger.warning("engine %d: %s still running at shutdown; leaving the zmq context "
+                           "to the process exit", self.engine_index, ", ".join(stuck))
+            return
         self.ctx.destroy(linger=0)
 
 
@@ -455,4 +464,9 @@ def run_engine_core(
                 engine.shutdown()
             except BaseException:  # noqa: BLE001
                 logger.exception("engine %d shutdown failed", engine_index)
-    sys.exit(exit_code)
+    # Everything is closed: leave without interpreter finalization, where library
+    # finalizers (torch, zmq) have been seen to stall a dying engine for seconds.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from enginecore import _native
 from enginecore.config import EngineConfig
 from enginecore.protocol import (
     EngineCoreOutput,
@@ -422,8 +423,8 @@ class Scheduler:
         stopped: list[Request] = []
         # Native process path: plain decode outputs become two column appends.
         columnar = self.columnar_outputs
+        cols: dict[int, ColumnarOutputs] = {}
         if columnar:
-            cols: dict[int, ColumnarOutputs] = {}
             for client, owed in outputs.items():
                 col = cols[client] = ColumnarOutputs()
                 for out in owed:
@@ -432,7 +433,18 @@ class Scheduler:
             col_ids: list[str | None] = []
             col_toks: list = []
 
-        for rid in scheduler_output.num_scheduled_tokens:
+        ext = _native.extension()
+        if ext is not None and not spec and logprobs is None and pooled is None:
+            # Plain decodes: the per-request loop below, in C++ (csrc/scheduler_update.cpp).
+            ext.update_decodes(
+                requests, scheduler_output.num_scheduled_tokens, sampled, index_of, in_flight,
+                self.max_model_len, (_RUNNING, _LENGTH, _STOPPED), outputs,
+                cols if columnar else None, stopped, (EngineCoreOutput, ColumnarOutputs),
+                self._emit_finished, self._update_request)
+            scheduled: Any = ()
+        else:
+            scheduled = scheduler_output.num_scheduled_tokens
+        for rid in scheduled:
             if in_flight is not None:
                 in_flight.discard(rid)
             request = requests.get(rid)
@@ -458,53 +470,28 @@ class Scheduler:
                 self.spec_num_accepted_tokens += len(new_token_ids) - 1
             if not new_token_ids:
                 continue
-            grammar = request.grammar
-            # A finished grammar allows only EOS, which it does not consume.
-            if grammar is not None and not grammar.is_stopped() and not grammar.consume_tokens(
-                    new_token_ids):
-                logger.error("request %s: token %s rejected by its grammar: %s", rid,
-                             new_token_ids, request.grammar.get_error())
-            stop = False
-            if len(new_token_ids) == 1:
+            if (len(new_token_ids) == 1 and request.grammar is None
+                    and (logprobs is None or logprobs[i] is None)):  # type: ignore[index]
+                # A plain decode (the loop csrc/scheduler_update.cpp runs natively).
                 request.append_output_token_ids(new_token_ids)
-                stop = self._check_stop(request)
-            else:
-                kept = 0
-                for tok in new_token_ids:
-                    request.append_output_token_ids([tok])
-                    kept += 1
-                    if self._check_stop(request):
-                        stop = True
-                        break
-                if kept < len(new_token_ids):
-                    new_token_ids = new_token_ids[:kept]
-            new_logprobs = None
-            if logprobs is not None and (lp := logprobs[i]) is not None:  # type: ignore[index]
-                n = len(new_token_ids)
-                new_logprobs = Logprobs(lp[0][:n], lp[1][:n], lp[2][:n])
-            if stop:
-                stopped.append(request)
-                out = EngineCoreOutput(
-                    rid, new_token_ids, new_logprobs,
-                    RequestStatus.finish_reason(request.status), request.stop_reason,
-                    max(request.num_cached_tokens, 0),
-                )
-            elif columnar and new_logprobs is None:
-                client = request.client_index
-                if client != last_client:
-                    col = cols.get(client)
-                    if col is None:
-                        col = cols[client] = ColumnarOutputs()
-                    col_ids, col_toks, last_client = col.request_ids, col.new_token_ids, client
-                col_ids.append(rid)
-                col_toks.append(new_token_ids)
+                if self._check_stop(request):
+                    stopped.append(request)
+                    self._emit_finished(request, rid, new_token_ids, outputs, cols)
+                elif columnar:
+                    client = request.client_index
+                    if client != last_client:
+                        col = cols.get(client)
+                        if col is None:
+                            col = cols[client] = ColumnarOutputs()
+                        col_ids, col_toks, last_client = col.request_ids, col.new_token_ids, client
+                    col_ids.append(rid)
+                    col_toks.append(new_token_ids)
+                else:
+                    self._emit(outputs, request, EngineCoreOutput(rid, new_token_ids, None))
                 continue
-            else:
-                out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
-            if columnar:
-                self._emit_columnar(cols, request, out)
-            else:
-                self._emit(outputs, request, out)
+            self._update_request(request, rid, new_token_ids,
+                                 None if logprobs is None else logprobs[i],  # type: ignore[index]
+                                 outputs, cols, stopped)
 
         if stopped:
             gone = {id(r) for r in stopped}
@@ -522,6 +509,52 @@ class Scheduler:
                 first = result[0] = ColumnarOutputs() if columnar else EngineCoreOutputs()
             first.scheduler_stats = stats
         return result
+
+    def _update_request(self, request: Request, rid: str, new_token_ids: list[int],
+                        lp: Any, outputs: dict[int, list[EngineCoreOutput]],
+                        cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
+        """A request that is not a plain decode: grammar, several tokens (spec
+        decode), logprobs. Shared by both paths."""
+        grammar = request.grammar
+        # A finished grammar allows only EOS, which it does not consume.
+        if grammar is not None and not grammar.is_stopped() and not grammar.consume_tokens(
+                new_token_ids):
+            logger.error("request %s: token %s rejected by its grammar: %s", rid,
+                         new_token_ids, request.grammar.get_error())
+        stop = False
+        kept = 0
+        for tok in new_token_ids:
+            request.append_output_token_ids([tok])
+            kept += 1
+            if self._check_stop(request):
+                stop = True
+                break
+        if kept < len(new_token_ids):
+            new_token_ids = new_token_ids[:kept]
+        new_logprobs = None
+        if lp is not None:
+            n = len(new_token_ids)
+            new_logprobs = Logprobs(lp[0][:n], lp[1][:n], lp[2][:n])
+        if stop:
+            stopped.append(request)
+            self._emit_finished(request, rid, new_token_ids, outputs, cols, new_logprobs)
+            return
+        out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
+        if self.columnar_outputs:
+            self._emit_columnar(cols, request, out)
+        else:
+            self._emit(outputs, request, out)
+
+    def _emit_finished(self, request: Request, rid: str, new_token_ids: list[int],
+                       outputs: dict[int, list[EngineCoreOutput]],
+                       cols: dict[int, ColumnarOutputs], new_logprobs: Any = None) -> None:
+        out = EngineCoreOutput(
+            rid, new_token_ids, new_logprobs, RequestStatus.finish_reason(request.status),
+            request.stop_reason, max(request.num_cached_tokens, 0))
+        if self.columnar_outputs:
+            self._emit_columnar(cols, request, out)
+        else:
+            self._emit(outputs, request, out)
 
     @staticmethod
     def _emit_columnar(cols: dict[int, ColumnarOutputs], request: Request,
