@@ -1,8 +1,15 @@
-// The per-request loop of Scheduler.update_from_output for plain decodes (one
-// sampled token, no grammar, no logprobs, no drafts), the twin of the inline
-// fast path in python/enginecore/sched/scheduler.py. Requests that are not
-// plain go to the Python method the twin uses too (update_request); finished
-// ones to emit_finished. State stays in the Python Request objects.
+// The scheduler's per-request loops, native twins of python/enginecore/sched/scheduler.py:
+//
+// * update_decodes: Scheduler.update_from_output for plain decodes (one
+//   sampled token, no grammar, no logprobs, no drafts). Requests that are not
+//   plain go to the Python method the twin uses too (update_request); finished
+//   ones to emit_finished.
+// * schedule_running: the running-request loop of Scheduler.schedule() up to
+//   the first request that needs more than the common case (drafts, a
+//   preemption); Python continues the loop from there.
+//
+// State stays in the Python objects (Request, KVCacheManager): these loops
+// save the interpreter's per-request overhead, not the data structures.
 #include <pybind11/pybind11.h>
 
 
@@ -31,7 +38,8 @@ PyObject* intern(const char* s) {
 struct Names {
   PyObject *status, *grammar, *output_token_ids, *all_token_ids, *block_size, *block_hashes,
       *extend_block_hashes, *max_tokens, *min_tokens, *eos_token_id, *ignore_eos,
-      *stop_token_ids, *stop_reason, *client_index, *request_ids, *new_token_ids;
+      *stop_token_ids, *stop_reason, *client_index, *request_ids, *new_token_ids, *request_id,
+      *num_computed_tokens, *spec_token_ids, *allocate_slots, *cache_full_blocks, *block_id;
   Names()
       : status(intern("status")), grammar(intern("grammar")),
         output_token_ids(intern("output_token_ids")), all_token_ids(intern("all_token_ids")),
@@ -40,7 +48,10 @@ struct Names {
         min_tokens(intern("min_tokens")), eos_token_id(intern("eos_token_id")),
         ignore_eos(intern("ignore_eos")), stop_token_ids(intern("stop_token_ids")),
         stop_reason(intern("stop_reason")), client_index(intern("client_index")),
-        request_ids(intern("request_ids")), new_token_ids(intern("new_token_ids")) {}
+        request_ids(intern("request_ids")), new_token_ids(intern("new_token_ids")),
+        request_id(intern("request_id")), num_computed_tokens(intern("num_computed_tokens")),
+        spec_token_ids(intern("spec_token_ids")), allocate_slots(intern("allocate_slots")),
+        cache_full_blocks(intern("cache_full_blocks")), block_id(intern("block_id")) {}
 };
 
 const Names& names() {
@@ -221,11 +232,101 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
   }
 }
 
+// Returns (index of the first running request left to Python, token budget left).
+py::tuple schedule_running(py::list running, py::object in_flight, long long token_budget,
+                           long long threshold, long long max_len_1, py::object kv,
+                           py::dict req_to_blocks, py::dict num_cached_blocks,
+                           long long block_size, bool enable_caching, py::object block_pool,
+                           py::list scheduled_running, py::list running_new_blocks,
+                           py::dict num_scheduled_tokens) {
+  const Names& nm = names();
+  PyObject* in_flight_set = in_flight.is_none() ? nullptr : in_flight.ptr();
+  Py_ssize_t idx = 0;
+  for (; idx < PyList_GET_SIZE(running.ptr()) && token_budget > 0; ++idx) {
+    PyObject* req = PyList_GET_ITEM(running.ptr(), idx);
+    Py_INCREF(req);
+    Ref req_ref(req);
+    Ref rid(PyObject_GetAttr(req, nm.request_id));
+    if (in_flight_set != nullptr) {
+      const int busy = PySet_Contains(in_flight_set, rid.p);
+      if (busy < 0) throw py::error_already_set();
+      if (busy) continue;
+    }
+    if (attr_len(req, nm.spec_token_ids) != 0) break;  // drafts: Python's loop
+    const long long computed = attr_int(req, nm.num_computed_tokens);
+    const long long num_tokens = attr_len(req, nm.all_token_ids);
+    long long num_new = num_tokens - computed;
+    if (threshold && num_new > threshold) num_new = threshold;
+    if (num_new > token_budget) num_new = token_budget;
+    if (num_new > max_len_1 - computed) num_new = max_len_1 - computed;
+    if (num_new <= 0) continue;
+    // KVCacheManager.allocate_slots' fast path: the tokens fit the blocks it has.
+    PyObject* blocks = PyDict_GetItemWithError(req_to_blocks.ptr(), rid.p);  // borrowed
+    if (blocks == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    const long long end = computed + num_new;
+    PyObject* new_block_ids = Py_None;
+    Ref new_ids_ref(Py_None);
+    Py_INCREF(Py_None);
+    if (blocks != nullptr && PyList_Check(blocks) &&
+        end <= static_cast<long long>(PyList_GET_SIZE(blocks)) * block_size) {
+      if (enable_caching) {
+        const long long num_full = (end < num_tokens ? end : num_tokens) / block_size;
+        PyObject* done_obj = PyDict_GetItemWithError(num_cached_blocks.ptr(), rid.p);
+        if (done_obj == nullptr) {
+          if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rid.p);
+          throw py::error_already_set();
+        }
+        const long long done = PyLong_AsLongLong(done_obj);
+        if (done == -1 && PyErr_Occurred()) throw py::error_already_set();
+        if (num_full > done) {
+          Ref hashes(PyObject_GetAttr(req, nm.block_hashes));
+          Ref start(PyLong_FromLongLong(done));
+          Ref stop(PyLong_FromLongLong(num_full));
+          Ref r(PyObject_CallMethodObjArgs(block_pool.ptr(), nm.cache_full_blocks, blocks,
+                                           hashes.p, start.p, stop.p, nullptr));
+          if (PyDict_SetItem(num_cached_blocks.ptr(), rid.p, stop.p) != 0) {
+            throw py::error_already_set();
+          }
+        }
+      }
+    } else {
+      Ref n(PyLong_FromLongLong(num_new));
+      Ref got(PyObject_CallMethodObjArgs(kv.ptr(), nm.allocate_slots, req, n.p, nullptr));
+      if (got.p == Py_None) break;  // no room: preemption is Python's
+      const Py_ssize_t k = PyObject_Length(got.p);
+      if (k < 0) throw py::error_already_set();
+      if (k > 0) {
+        Ref ids(PyList_New(k));
+        for (Py_ssize_t j = 0; j < k; ++j) {
+          Ref b(PySequence_GetItem(got.p, j));
+          PyList_SET_ITEM(ids.p, j, PyObject_GetAttr(b.p, nm.block_id));
+          if (PyList_GET_ITEM(ids.p, j) == nullptr) throw py::error_already_set();
+        }
+        Py_INCREF(ids.p);
+        new_block_ids = ids.p;
+        Py_DECREF(new_ids_ref.p);
+        new_ids_ref.p = ids.p;
+      }
+    }
+    append(scheduled_running.ptr(), req);
+    append(running_new_blocks.ptr(), new_ids_ref.p);
+    Ref n(PyLong_FromLongLong(num_new));
+    if (PyDict_SetItem(num_scheduled_tokens.ptr(), rid.p, n.p) != 0) {
+      throw py::error_already_set();
+    }
+    token_budget -= num_new;
+    (void)new_block_ids;
+  }
+  return py::make_tuple(idx, token_budget);
+}
+
 }  // namespace
 
 void bind_scheduler_update(py::module_& m) {
   m.def("update_decodes", &update_decodes,
         "The plain-decode loop of Scheduler.update_from_output (see scheduler.py).");
+  m.def("schedule_running", &schedule_running,
+        "The common-case prefix of Scheduler.schedule()'s running loop (see scheduler.py).");
 }
 
 }  // namespace enginecore

@@ -214,6 +214,14 @@ class Scheduler:
         if pause != PauseState.PAUSED_ALL:
             running = self.running
             req_index = 0
+            ext = _native.extension()
+            if ext is not None:
+                # The common-case prefix of this loop in C++ (csrc/scheduler_update.cpp);
+                # it stops before drafts or a preemption, and the loop goes on from there.
+                req_index, token_budget = ext.schedule_running(
+                    running, in_flight, token_budget, threshold, max_len_1, kv,
+                    kv.req_to_blocks, kv.num_cached_blocks, kv.block_size, kv.enable_caching,
+                    kv.block_pool, scheduled_running, running_new_blocks, num_scheduled_tokens)
             while req_index < len(running) and token_budget > 0:
                 request = running[req_index]
                 rid = request.request_id
