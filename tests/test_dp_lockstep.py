@@ -298,15 +298,19 @@ def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
     finished: dict[str, FinishReason] = {}
     ranks: set[int] = set()
 
+    submitted = [0]
+
     def submit(lo, hi):
+        submitted[0] = hi
         for i in range(lo, hi):
             c.add_request(EngineCoreRequest(f"e{i}", [i + 1, 5], SamplingParams(
                 max_tokens=expected[f"e{i}"], ignore_eos=True, seed=i)))
 
     def drain(until_done=False, seconds=0.0):
         deadline = time.monotonic() + seconds
-        while len(finished) < len(c._engine_of) + len(finished) and (
-                until_done or time.monotonic() < deadline):
+        # Count finishes as this thread sees them (the client's own bookkeeping
+        # runs ahead, on its reader thread).
+        while len(finished) < submitted[0] and (until_done or time.monotonic() < deadline):
             outs = c.get_output(timeout=30)
             ranks.add(outs.engine_index)
             for o in outs.outputs:
