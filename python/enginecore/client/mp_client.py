@@ -57,6 +57,13 @@ _ABORT = EngineCoreRequestType.ABORT.value
 _UTILITY = EngineCoreRequestType.UTILITY.value
 
 
+def _log_level(engine_log_level: int | None) -> int:
+    """The engines log at the given level, or at this process's."""
+    if engine_log_level is not None:
+        return engine_log_level
+    return logging.getLogger().getEffectiveLevel()
+
+
 class MPClient(EngineCoreClient):
     def __init__(
         self,
@@ -137,10 +144,8 @@ class MPClient(EngineCoreClient):
                     for n in names}
         else:
             bind = dict.fromkeys(names, f"tcp://{self._addresses.host}")
-        level = engine_log_level if engine_log_level is not None else (
-            logging.getLogger().getEffectiveLevel())
         self.coordinator, self._coord_addresses = start_coordinator(
-            pc.data_parallel_size, pc.data_parallel_lockstep, bind, level)
+            pc.data_parallel_size, pc.data_parallel_lockstep, bind, _log_level(engine_log_level))
         if pc.data_parallel_lockstep:
             from enginecore.core.dp_group import host_store
 
@@ -214,13 +219,7 @@ class MPClient(EngineCoreClient):
     # -- start-up ----------------------------------------------------------------------------
     def _start_engine(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
         """Spawn one engine per data-parallel rank and run the handshake with all."""
-        level = engine_log_level if engine_log_level is not None else (
-            logging.getLogger().getEffectiveLevel())
-        config = self.config
-        if config.use_native is None:
-            # The engines follow this process's hot-path choice (env or set_native).
-            config = dataclasses.replace(config, use_native=_native._enabled and
-                                         _native._ext is not None)
+        config, level = self._engine_config(), _log_level(engine_log_level)
         self._spawn_config = config
         self._spawn_args = dict(executor_class=executor_class, log_stats=log_stats,
                                 handshake_timeout_s=timeout_s, log_level=level)
@@ -237,6 +236,13 @@ class MPClient(EngineCoreClient):
             self._await_input_sockets(self.num_engines, timeout_s)
         finally:
             handshake.close(linger=0)
+
+    def _engine_config(self) -> EngineConfig:
+        if self.config.use_native is None:
+            # The engines follow this process's hot-path choice (env or set_native).
+            return dataclasses.replace(self.config, use_native=_native._enabled and
+                                       _native._ext is not None)
+        return self.config
 
     def _bind_handshake(self, port: int = 0) -> tuple[zmq.Socket, str]:
         handshake = self.ctx.socket(zmq.ROUTER)
@@ -295,16 +301,10 @@ class MPClient(EngineCoreClient):
         """Ranks as Ray actors: addresses known up front, no handshake socket."""
         from enginecore.client.ray_engines import RayEngines
 
-        level = engine_log_level if engine_log_level is not None else (
-            logging.getLogger().getEffectiveLevel())
-        config = self.config
-        if config.use_native is None:
-            config = dataclasses.replace(config, use_native=_native._enabled and
-                                         _native._ext is not None)
         self._ray = RayEngines()
         self.num_gpu_blocks, self.max_model_len = self._ray.start(
-            config, self.ranks, self._init_message(), executor_class, log_stats, level,
-            timeout_s)
+            self._engine_config(), self.ranks, self._init_message(), executor_class, log_stats,
+            _log_level(engine_log_level), timeout_s)
         self._await_input_sockets(self.num_engines, timeout_s)
         self._ray.watch(self._announce_dead)
 
