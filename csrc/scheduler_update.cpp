@@ -11,6 +11,9 @@
 // State stays in the Python objects (Request, KVCacheManager): these loops
 // save the interpreter's per-request overhead, not the data structures.
 #include <pybind11/pybind11.h>
+#include <structmember.h>
+
+#include <array>
 
 
 namespace py = pybind11;
@@ -59,21 +62,81 @@ const Names& names() {
   return n;
 }
 
+// __slots__ attributes read and written at their offset: the generic getattr
+// (type lookup, descriptor call) is most of the cost of these loops otherwise.
+// Only for plain member slots of types with the generic getattr; anything else
+// (a property, a custom __getattribute__, an unset slot) takes PyObject_GetAttr.
+struct SlotEntry {
+  PyTypeObject* type;
+  PyObject* name;
+  Py_ssize_t offset;  // -1: not a plain slot
+};
+
+Py_ssize_t slot_offset(PyTypeObject* t, PyObject* name) {
+  static std::array<SlotEntry, 64> cache{};
+  static size_t used = 0;
+  for (size_t i = 0; i < used; ++i) {
+    if (cache[i].type == t && cache[i].name == name) return cache[i].offset;
+  }
+  Py_ssize_t offset = -1;
+  if (t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr) {
+    PyObject* d = PyObject_GetAttr(reinterpret_cast<PyObject*>(t), name);
+    if (d == nullptr) {
+      PyErr_Clear();
+    } else {
+      if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) offset = m->offset;
+      }
+      Py_DECREF(d);
+    }
+  }
+  if (used < cache.size()) {
+    Py_INCREF(t);  // the cache keeps the type (and so the offset) valid
+    cache[used++] = SlotEntry{t, name, offset};
+  }
+  return offset;
+}
+
+// New reference (throws on error).
+PyObject* get(PyObject* o, PyObject* name) {
+  const Py_ssize_t off = slot_offset(Py_TYPE(o), name);
+  if (off >= 0) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+    if (v != nullptr) {
+      Py_INCREF(v);
+      return v;
+    }
+  }
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (v == nullptr) throw py::error_already_set();
+  return v;
+}
+
 long long attr_int(PyObject* o, PyObject* name) {
-  Ref v(PyObject_GetAttr(o, name));
+  Ref v(get(o, name));
   const long long x = PyLong_AsLongLong(v.p);
   if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
   return x;
 }
 
 Py_ssize_t attr_len(PyObject* o, PyObject* name) {
-  Ref v(PyObject_GetAttr(o, name));
+  Ref v(get(o, name));
   const Py_ssize_t n = PyObject_Length(v.p);
   if (n < 0) throw py::error_already_set();
   return n;
 }
 
 void set_attr(PyObject* o, PyObject* name, PyObject* value) {
+  const Py_ssize_t off = slot_offset(Py_TYPE(o), name);
+  if (off >= 0) {
+    PyObject** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+    PyObject* old = *slot;
+    Py_INCREF(value);
+    *slot = value;
+    Py_XDECREF(old);
+    return;
+  }
   if (PyObject_SetAttr(o, name, value) != 0) throw py::error_already_set();
 }
 
@@ -90,11 +153,11 @@ bool check_stop(PyObject* req, PyObject* tok, Py_ssize_t n_out, Py_ssize_t n_all
     return true;
   }
   if (n_out < attr_int(req, nm.min_tokens)) return false;
-  Ref eos(PyObject_GetAttr(req, nm.eos_token_id));
+  Ref eos(get(req, nm.eos_token_id));
   int is_eos = PyObject_RichCompareBool(tok, eos.p, Py_EQ);
   if (is_eos < 0) throw py::error_already_set();
   if (is_eos) {
-    Ref ignore(PyObject_GetAttr(req, nm.ignore_eos));
+    Ref ignore(get(req, nm.ignore_eos));
     const int ig = PyObject_IsTrue(ignore.p);
     if (ig < 0) throw py::error_already_set();
     if (!ig) {
@@ -102,7 +165,7 @@ bool check_stop(PyObject* req, PyObject* tok, Py_ssize_t n_out, Py_ssize_t n_all
       return true;
     }
   }
-  Ref stop_ids(PyObject_GetAttr(req, nm.stop_token_ids));
+  Ref stop_ids(get(req, nm.stop_token_ids));
   const int hit = PySequence_Contains(stop_ids.p, tok);
   if (hit < 0) throw py::error_already_set();
   if (hit) {
@@ -147,7 +210,7 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
     Py_INCREF(req);
     Ref req_ref(req);
     {
-      Ref status(PyObject_GetAttr(req, nm.status));
+      Ref status(get(req, nm.status));
       const int ne = PyObject_RichCompareBool(status.p, running, Py_NE);
       if (ne < 0) throw py::error_already_set();
       if (ne) continue;  // aborted or preempted while its batch ran
@@ -164,7 +227,7 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
     if (!PyList_Check(toks)) throw py::type_error("sampled token ids must be lists");
     const Py_ssize_t n_new = PyList_GET_SIZE(toks);
     if (n_new == 0) continue;  // a prefill chunk: nothing sampled
-    Ref grammar(PyObject_GetAttr(req, nm.grammar));
+    Ref grammar(get(req, nm.grammar));
     if (n_new != 1 || grammar.p != Py_None) {
       Ref r(PyObject_CallFunctionObjArgs(update_request.ptr(), req, rid, toks, Py_None,
                                          outputs.ptr(), columnar ? cols.ptr() : Py_None,
@@ -173,8 +236,8 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
     }
     PyObject* tok = PyList_GET_ITEM(toks, 0);
     // Request.append_output_token_ids
-    Ref out_ids(PyObject_GetAttr(req, nm.output_token_ids));
-    Ref all_ids(PyObject_GetAttr(req, nm.all_token_ids));
+    Ref out_ids(get(req, nm.output_token_ids));
+    Ref all_ids(get(req, nm.all_token_ids));
     append(out_ids.p, tok);
     append(all_ids.p, tok);
     const Py_ssize_t n_out = PyList_GET_SIZE(out_ids.p);
@@ -189,7 +252,7 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
                                          columnar ? cols.ptr() : Py_None, nullptr));
       continue;
     }
-    Ref client(PyObject_GetAttr(req, nm.client_index));
+    Ref client(get(req, nm.client_index));
     if (columnar) {
       int same = 0;
       if (last.p != nullptr) {
@@ -204,8 +267,8 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
           if (PyDict_SetItem(cols.ptr(), client.p, fresh.p) != 0) throw py::error_already_set();
           col = fresh.p;  // cols holds it now
         }
-        Ref ids(PyObject_GetAttr(col, nm.request_ids));
-        Ref tks(PyObject_GetAttr(col, nm.new_token_ids));
+        Ref ids(get(col, nm.request_ids));
+        Ref tks(get(col, nm.new_token_ids));
         col_ids = ids.p;  // the column lists live as long as their ColumnarOutputs
         col_toks = tks.p;
         Py_XDECREF(last.p);
@@ -246,7 +309,7 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
     PyObject* req = PyList_GET_ITEM(running.ptr(), idx);
     Py_INCREF(req);
     Ref req_ref(req);
-    Ref rid(PyObject_GetAttr(req, nm.request_id));
+    Ref rid(get(req, nm.request_id));
     if (in_flight_set != nullptr) {
       const int busy = PySet_Contains(in_flight_set, rid.p);
       if (busy < 0) throw py::error_already_set();
@@ -279,7 +342,7 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
         const long long done = PyLong_AsLongLong(done_obj);
         if (done == -1 && PyErr_Occurred()) throw py::error_already_set();
         if (num_full > done) {
-          Ref hashes(PyObject_GetAttr(req, nm.block_hashes));
+          Ref hashes(get(req, nm.block_hashes));
           Ref start(PyLong_FromLongLong(done));
           Ref stop(PyLong_FromLongLong(num_full));
           Ref r(PyObject_CallMethodObjArgs(block_pool.ptr(), nm.cache_full_blocks, blocks,
