@@ -153,3 +153,25 @@ def test_batch_queue_on_the_real_runner_gives_same_tokens(tiny_llama, hot_path):
     assert eng.batch_queue is not None and eng.model_executor.max_concurrent_batches == 2
     assert two == one
     eng.shutdown()
+
+
+def test_unwritten_cache_slots_never_reach_attention(tiny_llama):
+    """The KV cache is torch.empty: decode must not read the unwritten tail of a
+    request's last block (a NaN there survives the mask as 0 * NaN)."""
+    args = dict(model=tiny_llama, dtype="float32", device="cpu", block_size=4,
+                max_num_batched_tokens=16, max_model_len=128)
+    prompts = {"x": [3, 4, 5], "y": list(range(20, 31)), "z": [9]}
+    results = []
+    for poison in (False, True):
+        eng = EngineCore(EngineArgs(**args).create_engine_config())
+        runner = eng.model_executor.runner
+        if poison:
+            scratch = runner.scratch_slot
+            for k, v in runner.kv_caches:
+                k[:scratch].fill_(float("nan"))
+                v[:scratch].fill_(float("nan"))
+        for rid, p in prompts.items():
+            eng.add_request(EngineCoreRequest(rid, p, SamplingParams(
+                max_tokens=9, temperature=0, ignore_eos=True)))
+        results.append({k: r["tokens"] for k, r in run_to_completion(eng).items()})
+    assert results[0] == results[1]

@@ -298,8 +298,12 @@ class ModelRunner:
                 blocks = st.block_ids[:nb]
                 table[i, : len(blocks)] = blocks
             ar = np.arange(L)
-            dslots = table[:, ar // bs] * bs + ar % bs
             ctx = np.asarray(decode_ctx)
+            # Positions past a request's context read the zeroed scratch slot, not the
+            # unwritten tail of its last block: the cache is torch.empty, and a NaN
+            # there survives the mask (0 * NaN) and poisons the whole row.
+            dslots = np.where(ar[None, :] < ctx[:, None], table[:, ar // bs] * bs + ar % bs,
+                              self.scratch_slot)
             decode_slots = torch.from_numpy(np.ascontiguousarray(dslots)).to(dev)
             decode_mask = torch.from_numpy(ar[None, :] < ctx[:, None]).view(Bd, 1, 1, L).to(dev)
             decode_token_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
