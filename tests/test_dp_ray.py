@@ -10,7 +10,8 @@ import time
 import pytest
 import ray
 
-from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, SamplingParams
+from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
+from enginecore import SamplingParams
 from enginecore.client import EngineCoreClient
 
 from test_data_parallel import N, drain_by_rank, reference, reqs
@@ -93,5 +94,65 @@ def test_killing_a_ray_rank_is_engine_dead_fast():
             while True:
                 c.get_output(timeout=5)
         assert time.monotonic() - t0 < 5
+    finally:
+        c.shutdown()
+
+
+def test_ray_pause_abort_on_every_rank_and_resume():
+    c = EngineCoreClient.make_client(True, False, ray_config(
+        data_parallel_lockstep=True, synthetic_step_latency_s=0.005))
+    try:
+        for i in range(6):
+            c.add_request(EngineCoreRequest(f"p{i}", [1, 2, i], SamplingParams(
+                max_tokens=10**4, ignore_eos=True)))
+        c.get_output(timeout=10)
+        c.call_utility("pause_scheduler", "abort", timeout=30)
+        reasons, ranks = {}, set()
+        while len(reasons) < 6:
+            outs = c.get_output(timeout=10)
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    reasons[o.request_id] = o.finish_reason
+                    ranks.add(outs.engine_index)
+        assert set(reasons.values()) == {FinishReason.ABORT} and ranks == {0, 1}
+        c.call_utility("resume_scheduler", timeout=30)
+        c.add_request(EngineCoreRequest("after", [3], SamplingParams(max_tokens=2)))
+        while not any(o.finish_reason is not None for o in c.get_output(timeout=10).outputs):
+            pass
+    finally:
+        c.shutdown()
+
+
+def test_ray_scale_2_to_3_to_2_while_serving():
+    c = EngineCoreClient.make_client(True, False, ray_config(
+        data_parallel_lockstep=True, synthetic_step_latency_s=0.002))
+    expected = {f"s{i}": 20 + i % 5 for i in range(45)}
+    got: dict[str, int] = {}
+    finished: set[str] = set()
+
+    def submit(lo, hi):
+        for i in range(lo, hi):
+            c.add_request(EngineCoreRequest(f"s{i}", [i + 1, 5], SamplingParams(
+                max_tokens=expected[f"s{i}"], ignore_eos=True, seed=i)))
+
+    def drain(n):
+        while len(finished) < n:
+            for o in c.get_output(timeout=30).outputs:
+                got[o.request_id] = got.get(o.request_id, 0) + len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished.add(o.request_id)
+
+    try:
+        submit(0, 15)
+        c.scale_elastic_ep(3)
+        assert c.num_engines == 3 and len(c._ray.actors) == 3
+        submit(15, 30)
+        c.scale_elastic_ep(2)
+        assert c.num_engines == 2 and len(c._ray.actors) == 2
+        assert len(c._ray.placement_groups) == 2
+        submit(30, 45)
+        drain(45)
+        assert got == expected
+        assert [s["data_parallel_size"] for s in dp_states(c)] == [2, 2]
     finally:
         c.shutdown()

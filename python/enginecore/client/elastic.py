@@ -44,9 +44,6 @@ class _ElasticSteps:
         if not self._owner or len(self._front_ends) > 1:
             raise NotImplementedError("elastic scaling from a client with attached front-ends "
                                       "(client_count > 1) is not supported yet")
-        if self._ray is not None:
-            raise NotImplementedError("elastic scaling with data_parallel_backend='ray' is not "
-                                      "supported yet")
         if self.num_local_engines < self.num_engines:
             raise NotImplementedError("elastic scaling with headless (remote) ranks is not "
                                       "supported yet")
@@ -58,14 +55,20 @@ class _ElasticSteps:
                                  data_parallel_size_local=new_size)
         self.config = dataclasses.replace(self.config, parallel_config=pc)
 
+    def _new_rank_config(self: Any) -> Any:
+        """The new ranks' config: the new size, and the running ranks' KV cache size."""
+        base = self._engine_config()
+        cc = dataclasses.replace(base.cache_config, num_gpu_blocks_override=self.num_gpu_blocks)
+        return dataclasses.replace(base, cache_config=cc)
+
     def _prepare_scale_up(self: Any, new_size: int) -> tuple[Any, list[int], list[Any]]:
-        """Spawn the new ranks (handshake socket, ranks, processes)."""
+        """Spawn the new ranks (handshake socket, ranks, processes); with Ray the
+        actors start in ``_start_ray_ranks`` instead."""
         new_ranks = list(range(self.num_engines, new_size))
         self._resize_config(new_size)
-        cc = dataclasses.replace(self._spawn_config.cache_config,
-                                 num_gpu_blocks_override=self.num_gpu_blocks)
-        config = dataclasses.replace(self._spawn_config, cache_config=cc,
-                                     parallel_config=self.config.parallel_config)
+        if self._ray is not None:
+            return None, new_ranks, []
+        config = self._new_rank_config()
         handshake, address = self._bind_handshake()
         try:
             procs = self._spawn_ranks(new_ranks, address, config)
@@ -102,12 +105,20 @@ class _ElasticSteps:
         return False
 
     def _leave(self: Any, leaving: list[int]) -> list[Any]:
-        procs = [self.procs[e] for e in leaving]
+        # Their input connections close as they exit: not a death for the watcher.
+        self._expected_disconnects += len(leaving)
+        if self._ray is not None:
+            self._ray.leaving(leaving)
+            procs = []
+        else:
+            procs = [self.procs[e] for e in leaving]
         self._leaving.update(procs)  # their exit is expected, not a death
         self._resize_config(self.num_engines - len(leaving))
         return procs
 
     def _reap(self: Any, procs: list[Any], new_size: int, timeout_s: float) -> None:
+        if self._ray is not None:
+            self._ray.remove(self.ranks[new_size:], timeout_s)
         for proc in procs:
             proc.join(timeout=timeout_s)
             if proc.is_alive():
@@ -118,7 +129,7 @@ class _ElasticSteps:
             del self.ranks[new_size:], self.identities[new_size:], self._load[new_size:]
             self.procs[:] = [p for p in self.procs if p not in procs]
             self.num_engines = self.num_local_engines = new_size
-        self._leaving.difference_update(procs)
+        # The procs stay in _leaving: the monitor may still be looking at their exit.
 
     def _log_scaled(self: Any, old: int, t0: float) -> None:
         logger.info("data parallel scaled %d -> %d ranks in %.2f s (generation %d)", old,
@@ -138,12 +149,24 @@ class ElasticScaling(_ElasticSteps):
             if new_size > old:
                 handshake, new_ranks, procs = self._prepare_scale_up(new_size)
                 rescale: list[Any] = []
+
+                def commit() -> None:
+                    rescale.append(self._call_nowait(None, "reinitialize_distributed",
+                                                     (new_size, self._dp_generation)))
+
+                if handshake is None:  # Ray: the actors get INIT up front
+                    self._ray.start(self._new_rank_config(), new_ranks, self._init_message(),
+                                    timeout_s, before_wait=commit)
+                    rescale[0].result(timeout=timeout_s)
+                    with self._send_lock:
+                        self._await_input_sockets(len(new_ranks), timeout_s)
+                    self._add_ranks(new_ranks)
+                    self._log_scaled(old, t0)
+                    return
                 try:
                     # Commit once every new rank has its INIT.
                     self._handshake(handshake, timeout_s, new_ranks, dict(zip(new_ranks, procs)),
-                                    lambda: rescale.append(self._call_nowait(
-                                        None, "reinitialize_distributed",
-                                        (new_size, self._dp_generation))))
+                                    commit)
                     rescale[0].result(timeout=timeout_s)
                     with self._send_lock:
                         self._await_input_sockets(len(new_ranks), timeout_s)
@@ -188,13 +211,18 @@ class AsyncElasticScaling(_ElasticSteps):
                     None, "reinitialize_distributed", (new_size, self._dp_generation)), loop))
 
             try:
-                await asyncio.to_thread(self._handshake, handshake, timeout_s, new_ranks,
-                                        dict(zip(new_ranks, procs)), commit)
+                if handshake is None:  # Ray: the actors get INIT up front
+                    await asyncio.to_thread(self._ray.start, self._new_rank_config(), new_ranks,
+                                            self._init_message(), timeout_s, commit)
+                else:
+                    await asyncio.to_thread(self._handshake, handshake, timeout_s, new_ranks,
+                                            dict(zip(new_ranks, procs)), commit)
                 await asyncio.wait_for(asyncio.wrap_future(rescale[0]), timeout_s)
                 for _ in new_ranks:  # their input sockets say hello
                     await asyncio.wait_for(self._ainput.recv_multipart(), timeout_s)
             finally:
-                handshake.close(linger=0)
+                if handshake is not None:
+                    handshake.close(linger=0)
             self._add_ranks(new_ranks)
         else:
             leaving = self._start_drain(new_size)

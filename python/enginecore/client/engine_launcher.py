@@ -71,7 +71,6 @@ class EngineLauncher:
     def _start_engine(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
         """Spawn one engine per data-parallel rank and run the handshake with all."""
         config, level = self._engine_config(), _log_level(engine_log_level)
-        self._spawn_config = config
         self._spawn_args = dict(executor_class=executor_class, log_stats=log_stats,
                                 handshake_timeout_s=timeout_s, log_level=level)
         handshake, hs_address = self._bind_handshake(
@@ -152,10 +151,9 @@ class EngineLauncher:
         """Ranks as Ray actors: addresses known up front, no handshake socket."""
         from enginecore.client.ray_engines import RayEngines
 
-        self._ray = RayEngines()
+        self._ray = RayEngines(executor_class, log_stats, _log_level(engine_log_level))
         self.num_gpu_blocks, self.max_model_len = self._ray.start(
-            self._engine_config(), self.ranks, self._init_message(), executor_class, log_stats,
-            _log_level(engine_log_level), timeout_s)
+            self._engine_config(), self.ranks, self._init_message(), timeout_s)
         self._await_input_sockets(self.num_engines, timeout_s)
         self._ray.watch(self._announce_dead)
 
@@ -221,7 +219,9 @@ class EngineLauncher:
                 client = self_ref()
                 if client is None or client._closed:
                     break
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+                if event["event"] == zmq.EVENT_DISCONNECTED and client._expected_disconnects:
+                    client._expected_disconnects -= 1  # a rank that left in a rescale
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
                     client._announce_dead(f"an engine disconnected from {client.input_address} "
                                           "(a remote rank died or its node went away)")
                     break

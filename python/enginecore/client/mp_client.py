@@ -86,6 +86,7 @@ class MPClient(EngineLauncher, EngineCoreClient):
         self._dp_store_address: str | None = None
         self._dp_generation = 0
         self._leaving: set[multiprocessing.process.BaseProcess] = set()
+        self._expected_disconnects = 0
         try:
             if self.num_engines > 1:
                 self._start_coordinator(engine_log_level)

@@ -28,14 +28,20 @@ def _ray() -> Any:
 class RayEngines:
     """The actors of one engine set, their placement groups, and a watcher."""
 
-    def __init__(self) -> None:
-        self.actors: list[Any] = []
-        self.placement_groups: list[Any] = []
-        self._runs: dict[Any, int] = {}
+    def __init__(self, executor_class: Any, log_stats: bool, log_level: int) -> None:
+        self._args = (executor_class, log_stats, log_level)
+        self.actors: dict[int, Any] = {}  # rank -> actor
+        self.placement_groups: dict[int, Any] = {}
+        self._runs: dict[Any, int] = {}  # run() object ref -> rank
+        self._leaving: set[int] = set()
+        self._lock = threading.Lock()
         self._closed = False
 
-    def start(self, config: Any, ranks: list[int], init: bytes, executor_class: Any,
-              log_stats: bool, log_level: int, timeout_s: float) -> tuple[int, int]:
+    def start(self, config: Any, ranks: list[int], init: bytes, timeout_s: float,
+              before_wait: Callable[[], None] | None = None) -> tuple[int, int]:
+        """Place and start ``ranks``; (num_gpu_blocks, max_model_len) of the first.
+        ``before_wait`` runs once the actors exist, before waiting for their
+        engines (an elastic scale-up commits the rescale there)."""
         ray = _ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -47,61 +53,92 @@ class RayEngines:
                      ignore_reinit_error=True, logging_level=logging.WARNING)
         cuda = config.model_config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
-        for rank in ranks:
-            self.placement_groups.append(placement_group(
-                [bundle], strategy="STRICT_PACK", name=f"enginecore_dp{rank}_{os.getpid()}"))
+        pgs = {rank: placement_group([bundle], strategy="STRICT_PACK",
+                                     name=f"enginecore_dp{rank}_{os.getpid()}_{id(self)}")
+               for rank in ranks}
+        self.placement_groups.update(pgs)
         try:
-            ray.get([pg.ready() for pg in self.placement_groups], timeout=timeout_s)
+            ray.get([pg.ready() for pg in pgs.values()], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"the Ray cluster has no room for {len(ranks)} ranks of {bundle} within "
                 f"{timeout_s:g} s (cluster resources: {ray.cluster_resources()})") from None
         actor_class = ray.remote(DPEngineCoreActor)
-        for rank, pg in zip(ranks, self.placement_groups):
-            rank_config = _with_rank(config, rank)
-            self.actors.append(actor_class.options(
-                name=f"EngineCore_DP{rank}_{os.getpid()}",
+        executor_class, log_stats, log_level = self._args
+        actors = {}
+        for rank, pg in pgs.items():
+            actors[rank] = actor_class.options(
+                name=f"EngineCore_DP{rank}_{os.getpid()}_{id(self)}",
                 num_cpus=1, num_gpus=1 if cuda else 0,
                 # run() holds one thread for the actor's life; pid() and the like
                 # need another.
                 max_concurrency=2,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=0),
-            ).remote(rank_config, init, executor_class, log_stats, rank, log_level))
+            ).remote(_with_rank(config, rank), init, executor_class, log_stats, rank, log_level)
+        self.actors.update(actors)
+        waits = [a.wait_for_init.remote() for a in actors.values()]
+        if before_wait is not None:
+            before_wait()
         # Every rank builds its engine at once (the DP group needs them all).
         try:
-            ready = ray.get([a.wait_for_init.remote() for a in self.actors], timeout=timeout_s)
+            ready = ray.get(waits, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"Ray engines did not initialise within {timeout_s:g} s "
                                "(handshake_timeout_s)") from None
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a Ray engine failed to start: {e}") from None
-        for rank, actor in zip(ranks, self.actors):
-            self._runs[actor.run.remote()] = rank
+        with self._lock:
+            for rank, actor in actors.items():
+                self._runs[actor.run.remote()] = rank
         return ready[0]
 
     def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(why)`` once, when any rank's actor ends."""
+        """Call ``on_death(why)`` once, when a rank's actor ends (not a leaving one)."""
         ray = _ray()
 
         def watcher() -> None:
-            refs = list(self._runs)
-            done, _ = ray.wait(refs, num_returns=1)
-            if self._closed:
+            while not self._closed:
+                with self._lock:
+                    refs = list(self._runs)
+                # Re-read now and then: a rescale adds and removes ranks.
+                done, _ = ray.wait(refs, num_returns=1, timeout=0.5)
+                if not done or self._closed:
+                    continue
+                with self._lock:
+                    rank = self._runs.pop(done[0])
+                if rank in self._leaving:
+                    continue
+                try:
+                    ray.get(done[0])
+                    why = f"Ray engine rank {rank} stopped"
+                except Exception as e:  # noqa: BLE001 - the actor died: say how
+                    why = f"Ray engine rank {rank} died: {type(e).__name__}"
+                on_death(why)
                 return
-            rank = self._runs[done[0]]
-            try:
-                ray.get(done[0])
-                why = f"Ray engine rank {rank} stopped"
-            except Exception as e:  # noqa: BLE001 - the actor died: say how
-                why = f"Ray engine rank {rank} died: {type(e).__name__}"
-            on_death(why)
 
         threading.Thread(target=watcher, daemon=True, name="enginecore-ray-monitor").start()
 
+    def leaving(self, ranks: list[int]) -> None:
+        """These ranks are about to leave in a rescale: their end is no death."""
+        self._leaving.update(ranks)
+
+    def remove(self, ranks: list[int], timeout_s: float) -> None:
+        """After they left: wait for their run() to return, then free their places."""
+        ray = _ray()
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            refs = [ref for ref, rank in self._runs.items() if rank in ranks]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for rank in ranks:
+            ray.kill(self.actors.pop(rank), no_restart=True)
+            remove_placement_group(self.placement_groups.pop(rank))
+        self._leaving.difference_update(ranks)
+
     def pids(self) -> list[int]:
         ray = _ray()
-        return ray.get([a.pid.remote() for a in self.actors])
+        return ray.get([self.actors[r].pid.remote() for r in sorted(self.actors)])
 
     def shutdown(self) -> None:
         if self._closed:
@@ -110,9 +147,9 @@ class RayEngines:
         ray = _ray()
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self.actors:
+        for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
-        for pg in self.placement_groups:
+        for pg in self.placement_groups.values():
             remove_placement_group(pg)
 
 
