@@ -7,6 +7,14 @@ import pytest
 from enginecore import _native
 
 
+def pytest_collection_modifyitems(config, items):
+    """Ray tests last: twice in CI, after the Ray tests had run in the session, a later
+    test saw a spawned engine's exit code as None (reaped by something other than
+    multiprocessing, most likely state Ray's driver leaves behind); not reproduced
+    outside the full suite."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/test_dp_ray.py"))
+
+
 @pytest.fixture(params=["native", "python"])
 def hot_path(request: pytest.FixtureRequest):
     """Switch every hot path for the duration of one test."""

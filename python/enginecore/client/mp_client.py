@@ -48,6 +48,12 @@ _ABORT = EngineCoreRequestType.ABORT.value
 _UTILITY = EngineCoreRequestType.UTILITY.value
 
 
+def _running(proc: multiprocessing.process.BaseProcess) -> bool:
+    """Alive by its sentinel: ``is_alive()`` says True forever for a child that
+    something else in the process reaped first (its exit code is then lost)."""
+    return proc.is_alive() and not multiprocessing.connection.wait([proc.sentinel], 0)
+
+
 class MPClient(EngineLauncher, EngineCoreClient):
     def __init__(
         self,
@@ -320,11 +326,11 @@ class MPClient(EngineLauncher, EngineCoreClient):
         if self._ray is not None:
             self._ray.shutdown()
         for proc in self.procs:
-            if proc.is_alive():
+            if _running(proc):
                 proc.terminate()  # SIGTERM: the engine shuts down cleanly
         for proc in self.procs:
             proc.join(timeout=10)
-            if proc.is_alive():
+            if _running(proc):
                 logger.warning("%s ignored SIGTERM; killing it", proc.name)
                 proc.kill()
                 proc.join(timeout=5)
