@@ -327,8 +327,7 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
     PyObject* blocks = PyDict_GetItemWithError(req_to_blocks.ptr(), rid.p);  // borrowed
     if (blocks == nullptr && PyErr_Occurred()) throw py::error_already_set();
     const long long end = computed + num_new;
-    PyObject* new_block_ids = Py_None;
-    Ref new_ids_ref(Py_None);
+    Ref new_ids_ref(Py_None);  // the new block ids, or None
     Py_INCREF(Py_None);
     if (blocks != nullptr && PyList_Check(blocks) &&
         end <= static_cast<long long>(PyList_GET_SIZE(blocks)) * block_size) {
@@ -366,7 +365,6 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
           if (PyList_GET_ITEM(ids.p, j) == nullptr) throw py::error_already_set();
         }
         Py_INCREF(ids.p);
-        new_block_ids = ids.p;
         Py_DECREF(new_ids_ref.p);
         new_ids_ref.p = ids.p;
       }
@@ -378,7 +376,6 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
       throw py::error_already_set();
     }
     token_budget -= num_new;
-    (void)new_block_ids;
   }
   return py::make_tuple(idx, token_budget);
 }

@@ -152,18 +152,12 @@ class DPEngineCoreProc(EngineCoreProc):
                 self._reply_utility(call, out)
         return False
 
-    def pause_scheduler(self, mode: str = "abort") -> None:
-        super().pause_scheduler(mode)  # applies here now; returns once every rank has
-
     def resume_scheduler(self) -> None:
         if self._owed["pause_scheduler"]:
             raise RuntimeError(
                 f"a pause is still in flight on DP rank {self.dp_rank} (waiting for every rank "
                 "to pause); call resume_scheduler after pause_scheduler has returned")
         super().resume_scheduler()
-
-    def barrier(self) -> bool:
-        return True  # returns once every rank has reached it
 
     def reinitialize_distributed(self, new_size: int, generation: int) -> bool:
         if new_size < 1:

@@ -116,11 +116,8 @@ class EngineCoreProc(EngineCore):
         init = self._hs_decoder.decode(self._handshake.recv())
         if not isinstance(init, HandshakeInit):
             raise RuntimeError(f"engine {engine_index}: expected INIT, got {type(init).__name__}")
-        self.client_count = len(init.output_addresses)
         try:
-            super().__init__(config, executor_class, log_stats,
-                             executor_fail_callback=self._on_executor_failure)
-            self._init_data_parallel(init)
+            self._build(init, config, executor_class, log_stats)
         except BaseException as e:
             self._send_handshake(HandshakeFailed(engine_index, f"{type(e).__name__}: {e}"))
             raise
@@ -131,11 +128,15 @@ class EngineCoreProc(EngineCore):
         self._handshake.close()
 
     def _start_from(self, init: HandshakeInit, config, executor_class, log_stats) -> None:
+        self._build(init, config, executor_class, log_stats)
+        self._start_io_threads(init)
+
+    def _build(self, init: HandshakeInit, config, executor_class, log_stats) -> None:
+        """The engine itself, once INIT is known (both start-up paths)."""
         self.client_count = len(init.output_addresses)
         super().__init__(config, executor_class, log_stats,
                          executor_fail_callback=self._on_executor_failure)
         self._init_data_parallel(init)
-        self._start_io_threads(init)
 
     def _init_data_parallel(self, init: HandshakeInit) -> None:
         """DPEngineCoreProc joins its DP group here (before READY)."""

@@ -464,10 +464,7 @@ class Scheduler:
                 stopped.append(request)
                 out = EngineCoreOutput(rid, [], finish_reason=FinishReason.STOP,
                                        pooling_output=pooled[i])
-                if columnar:
-                    self._emit_columnar(cols, request, out)
-                else:
-                    self._emit(outputs, request, out)
+                self._emit_any(outputs, cols, request, out)
                 continue
             new_token_ids = sampled[i] if i is not None else []
             drafts = spec.get(rid)
@@ -548,10 +545,7 @@ class Scheduler:
             self._emit_finished(request, rid, new_token_ids, outputs, cols, new_logprobs)
             return
         out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
-        if self.columnar_outputs:
-            self._emit_columnar(cols, request, out)
-        else:
-            self._emit(outputs, request, out)
+        self._emit_any(outputs, cols, request, out)
 
     def _emit_finished(self, request: Request, rid: str, new_token_ids: list[int],
                        outputs: dict[int, list[EngineCoreOutput]],
@@ -559,6 +553,13 @@ class Scheduler:
         out = EngineCoreOutput(
             rid, new_token_ids, new_logprobs, RequestStatus.finish_reason(request.status),
             request.stop_reason, max(request.num_cached_tokens, 0))
+        self._emit_any(outputs, cols, request, out)
+
+    def _emit_any(self, outputs: dict[int, list[EngineCoreOutput]],
+                  cols: dict[int, ColumnarOutputs], request: Request,
+                  out: EngineCoreOutput) -> None:
+        """An output object, into the columns or the object lists (whichever this
+        step builds)."""
         if self.columnar_outputs:
             self._emit_columnar(cols, request, out)
         else:
