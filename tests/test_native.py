@@ -139,20 +139,23 @@ def test_gil_is_free_while_the_engine_waits_on_the_model(hot_path):
             n += 1
         return n
 
-    alone = spin(0.5)
-    stop = threading.Event()
-
-    def engine_loop():
+    def engine_loop(stop):
         while not stop.is_set():
             eng.step_fn()
 
-    t = threading.Thread(target=engine_loop)
-    t.start()
-    try:
-        busy = spin(0.5)
-    finally:
-        stop.set()
-        t.join()
+    # Best of three windows each: the machine is shared, a single 0.5 s window can
+    # lose 10 % to a neighbour without the GIL being involved.
+    alone = busy = 0
+    for _ in range(3):
+        alone = max(alone, spin(0.5))
+        stop = threading.Event()
+        t = threading.Thread(target=engine_loop, args=(stop,))
+        t.start()
+        try:
+            busy = max(busy, spin(0.5))
+        finally:
+            stop.set()
+            t.join()
     fraction = busy / alone
     print(f"\n{hot_path}: other thread ran {100 * fraction:.1f}% of its solo speed")
     assert fraction > 0.9
