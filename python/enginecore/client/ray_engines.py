@@ -106,9 +106,11 @@ class RayEngines:
                 if not done or self._closed:
                     continue
                 with self._lock:
-                    rank = self._runs.pop(done[0])
-                if rank in self._leaving:
-                    continue
+                    # None: remove() took it (a rank that left); the pop and the
+                    # leaving check share the lock so remove() cannot slip between.
+                    rank = self._runs.pop(done[0], None)
+                    if rank is None or rank in self._leaving:
+                        continue
                 try:
                     ray.get(done[0])
                     why = f"Ray engine rank {rank} stopped"
@@ -121,7 +123,8 @@ class RayEngines:
 
     def leaving(self, ranks: list[int]) -> None:
         """These ranks are about to leave in a rescale: their end is no death."""
-        self._leaving.update(ranks)
+        with self._lock:
+            self._leaving.update(ranks)
 
     def remove(self, ranks: list[int], timeout_s: float) -> None:
         """After they left: wait for their run() to return, then free their places."""
@@ -131,10 +134,15 @@ class RayEngines:
         with self._lock:
             refs = [ref for ref, rank in self._runs.items() if rank in ranks]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        with self._lock:
+            # Take their runs from the watcher before the ranks stop counting as
+            # leaving (a later scale-up may reuse the rank numbers).
+            for ref in refs:
+                self._runs.pop(ref, None)
+            self._leaving.difference_update(ranks)
         for rank in ranks:
             ray.kill(self.actors.pop(rank), no_restart=True)
             remove_placement_group(self.placement_groups.pop(rank))
-        self._leaving.difference_update(ranks)
 
     def pids(self) -> list[int]:
         ray = _ray()
