@@ -58,49 +58,92 @@ void compress_portable(uint32_t state[8], const uint8_t* data, size_t nblocks) {
 }
 
 #ifdef ENGINECORE_X86
-// The SHA-NI round structure: 16 groups of 4 rounds; message words are kept in
-// four vectors and extended with sha256msg1/msg2 a group ahead of their use.
-__attribute__((target("sha,sse4.1,ssse3")))
-void compress_shani(uint32_t state[8], const uint8_t* data, size_t nblocks) {
-  const __m128i mask = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-  __m128i tmp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&state[0]));
-  __m128i state1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&state[4]));
-  tmp = _mm_shuffle_epi32(tmp, 0xB1);                 // CDAB
-  state1 = _mm_shuffle_epi32(state1, 0x1B);           // EFGH
-  __m128i state0 = _mm_alignr_epi8(tmp, state1, 8);   // ABEF
-  state1 = _mm_blend_epi16(state1, tmp, 0xF0);        // CDGH
-  while (nblocks--) {
-    const __m128i abef = state0, cdgh = state1;
-    __m128i m[4];
+#define ENGINECORE_SHANI __attribute__((target("sha,sse4.1,ssse3")))
+
+// Byte order of each 32-bit lane reversed: big-endian message words <-> bytes.
+ENGINECORE_SHANI inline __m128i bswap_mask() {
+  return _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+}
+
+// One 64-byte block on the (ABEF, CDGH) state, message words W0-15 in m0-m3
+// (lane i of m_j is W[4j+i]). The SHA-NI round structure: 16 groups of 4
+// rounds; message words are extended with sha256msg1/msg2 a group ahead of use.
+ENGINECORE_SHANI __attribute__((always_inline)) inline void shani_block(
+    __m128i& state0, __m128i& state1, __m128i m0, __m128i m1, __m128i m2, __m128i m3) {
+  const __m128i abef = state0, cdgh = state1;
+  __m128i m[4] = {m0, m1, m2, m3};
 #pragma GCC unroll 16
-    for (int g = 0; g < 16; ++g) {
-      if (g < 4) {
-        m[g] = _mm_shuffle_epi8(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + 16 * g)), mask);
-      }
-      __m128i msg = _mm_add_epi32(m[g & 3],
-                                  _mm_load_si128(reinterpret_cast<const __m128i*>(&K[4 * g])));
-      state1 = _mm_sha256rnds2_epu32(state1, state0, msg);
-      if (g >= 3 && g < 15) {
-        __m128i t = _mm_alignr_epi8(m[g & 3], m[(g - 1) & 3], 4);
-        m[(g + 1) & 3] = _mm_sha256msg2_epu32(_mm_add_epi32(m[(g + 1) & 3], t), m[g & 3]);
-      }
-      msg = _mm_shuffle_epi32(msg, 0x0E);
-      state0 = _mm_sha256rnds2_epu32(state0, state1, msg);
-      if (g >= 1 && g < 13) {
-        m[(g - 1) & 3] = _mm_sha256msg1_epu32(m[(g - 1) & 3], m[g & 3]);
-      }
+  for (int g = 0; g < 16; ++g) {
+    __m128i msg = _mm_add_epi32(m[g & 3],
+                                _mm_load_si128(reinterpret_cast<const __m128i*>(&K[4 * g])));
+    state1 = _mm_sha256rnds2_epu32(state1, state0, msg);
+    if (g >= 3 && g < 15) {
+      __m128i t = _mm_alignr_epi8(m[g & 3], m[(g - 1) & 3], 4);
+      m[(g + 1) & 3] = _mm_sha256msg2_epu32(_mm_add_epi32(m[(g + 1) & 3], t), m[g & 3]);
     }
-    state0 = _mm_add_epi32(state0, abef);
-    state1 = _mm_add_epi32(state1, cdgh);
-    data += 64;
+    msg = _mm_shuffle_epi32(msg, 0x0E);
+    state0 = _mm_sha256rnds2_epu32(state0, state1, msg);
+    if (g >= 1 && g < 13) {
+      m[(g - 1) & 3] = _mm_sha256msg1_epu32(m[(g - 1) & 3], m[g & 3]);
+    }
   }
-  tmp = _mm_shuffle_epi32(state0, 0x1B);              // FEBA
-  state1 = _mm_shuffle_epi32(state1, 0xB1);           // DCHG
-  state0 = _mm_blend_epi16(tmp, state1, 0xF0);        // DCBA
-  state1 = _mm_alignr_epi8(state1, tmp, 8);           // ABEF
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(&state[0]), state0);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(&state[4]), state1);
+  state0 = _mm_add_epi32(state0, abef);
+  state1 = _mm_add_epi32(state1, cdgh);
+}
+
+ENGINECORE_SHANI inline __m128i load_words(const uint8_t* p) {
+  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), bswap_mask());
+}
+
+// (A..D, E..H) in lane order <-> the (ABEF, CDGH) layout sha256rnds2 works on.
+ENGINECORE_SHANI inline void to_shani(__m128i abcd, __m128i efgh, __m128i& s0, __m128i& s1) {
+  const __m128i tmp = _mm_shuffle_epi32(abcd, 0xB1);  // CDAB
+  efgh = _mm_shuffle_epi32(efgh, 0x1B);               // EFGH
+  s0 = _mm_alignr_epi8(tmp, efgh, 8);                 // ABEF
+  s1 = _mm_blend_epi16(efgh, tmp, 0xF0);              // CDGH
+}
+
+ENGINECORE_SHANI inline void from_shani(__m128i s0, __m128i s1, __m128i& abcd, __m128i& efgh) {
+  const __m128i tmp = _mm_shuffle_epi32(s0, 0x1B);  // FEBA
+  s1 = _mm_shuffle_epi32(s1, 0xB1);                 // DCHG
+  abcd = _mm_blend_epi16(tmp, s1, 0xF0);            // DCBA
+  efgh = _mm_alignr_epi8(s1, tmp, 8);               // HGFE
+}
+
+ENGINECORE_SHANI void compress_shani(uint32_t state[8], const uint8_t* data, size_t nblocks) {
+  __m128i state0, state1;
+  to_shani(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&state[0])),
+           _mm_loadu_si128(reinterpret_cast<const __m128i*>(&state[4])), state0, state1);
+  for (; nblocks--; data += 64) {
+    shani_block(state0, state1, load_words(data), load_words(data + 16), load_words(data + 32),
+                load_words(data + 48));
+  }
+  __m128i abcd, efgh;
+  from_shani(state0, state1, abcd, efgh);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(&state[0]), abcd);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(&state[4]), efgh);
+}
+
+// One message of a chain: W0-7 are the previous digest's words, W8 on come
+// from `body` (the message from byte 32: varying part, suffix, padding, length).
+// The previous digest is read back from where the last step stored it, with
+// 16-byte loads of 16-byte stores so the store forwards.
+ENGINECORE_SHANI void chain_step_shani(const uint8_t prev[32], const uint8_t* body,
+                                       size_t nblocks, uint8_t out[32]) {
+  __m128i state0, state1;
+  to_shani(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&kSha256Init[0])),
+           _mm_loadu_si128(reinterpret_cast<const __m128i*>(&kSha256Init[4])), state0, state1);
+  shani_block(state0, state1, load_words(prev), load_words(prev + 16), load_words(body),
+              load_words(body + 16));
+  for (size_t k = 1; k < nblocks; ++k) {
+    const uint8_t* p = body + 64 * k - 32;
+    shani_block(state0, state1, load_words(p), load_words(p + 16), load_words(p + 32),
+                load_words(p + 48));
+  }
+  __m128i abcd, efgh;
+  from_shani(state0, state1, abcd, efgh);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_shuffle_epi8(abcd, bswap_mask()));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_shuffle_epi8(efgh, bswap_mask()));
 }
 
 bool cpu_has_sha_ni() {
@@ -127,6 +170,42 @@ const Sha256CompressFn g_best = detect();
 }  // namespace
 
 Sha256CompressFn sha256_compress() { return g_force_portable ? compress_portable : g_best; }
+
+Sha256Chain::Sha256Chain(const uint8_t parent[32], size_t varying_len, const uint8_t* suffix,
+                         size_t suffix_len)
+    : varying_len_(varying_len), compress_(sha256_compress()) {
+  const size_t msg_len = 32 + varying_len + suffix_len;
+  nblocks_ = (msg_len + 9 + 63) / 64;
+  msg_.assign(nblocks_ * 64, 0);
+  std::memcpy(msg_.data(), parent, 32);
+  if (suffix_len) std::memcpy(msg_.data() + 32 + varying_len, suffix, suffix_len);
+  msg_[msg_len] = 0x80;
+  const uint64_t bits = uint64_t(msg_len) * 8;
+  for (int i = 0; i < 8; ++i) msg_[nblocks_ * 64 - 1 - i] = uint8_t(bits >> (8 * i));
+  prev_ = msg_.data();
+}
+
+void Sha256Chain::next(const uint8_t* varying, uint8_t out[32]) {
+  std::memcpy(msg_.data() + 32, varying, varying_len_);
+#ifdef ENGINECORE_X86
+  if (compress_ == compress_shani) {
+    chain_step_shani(prev_, msg_.data() + 32, nblocks_, out);
+    prev_ = out;
+    return;
+  }
+#endif
+  std::memcpy(msg_.data(), prev_, 32);
+  uint32_t state[8];
+  std::memcpy(state, kSha256Init, sizeof(state));
+  compress_(state, msg_.data(), nblocks_);
+  for (int i = 0; i < 8; ++i) {
+    out[4 * i] = uint8_t(state[i] >> 24);
+    out[4 * i + 1] = uint8_t(state[i] >> 16);
+    out[4 * i + 2] = uint8_t(state[i] >> 8);
+    out[4 * i + 3] = uint8_t(state[i]);
+  }
+  prev_ = out;
+}
 
 const char* sha256_impl_name() {
   return sha256_compress() == compress_portable ? "portable" : "sha-ni";

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace enginecore {
 
@@ -20,5 +21,25 @@ void sha256_force_portable(bool force);
 
 // One-shot SHA-256 of a message of any length.
 void sha256(const uint8_t* data, size_t len, uint8_t out[32]);
+
+// A chain of messages hashed one at a time: digest[b] = SHA-256(digest[b-1] ||
+// varying[b] || suffix), digest[-1] = parent. One step at a time so callers can
+// interleave their own work (reading the next block's token ids): the chain is
+// latency-bound, and the CPU overlaps that work with it.
+class Sha256Chain {
+ public:
+  Sha256Chain(const uint8_t parent[32], size_t varying_len, const uint8_t* suffix,
+              size_t suffix_len);
+  // The next digest into `out` (32 bytes), which must stay put until the next
+  // call: it is read back as the next message's first 32 bytes.
+  void next(const uint8_t* varying, uint8_t out[32]);
+
+ private:
+  std::vector<uint8_t> msg_;  // the message: parent slot, varying, suffix, padding
+  size_t varying_len_;
+  size_t nblocks_;
+  const uint8_t* prev_;
+  Sha256CompressFn compress_;
+};
 
 }  // namespace enginecore

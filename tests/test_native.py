@@ -42,12 +42,13 @@ def test_sha256_matches_hashlib(portable):
     parent=st.one_of(st.none(), st.binary(min_size=32, max_size=32)),
     extra=st.one_of(st.none(), st.lists(st.one_of(st.integers(-(2**63), 2**63 - 1),
                                                   st.text(), st.binary()), max_size=3)),
-    container=st.sampled_from(["list", "tuple", "array"]),
+    container=st.sampled_from(["list", "tuple", "array", "iterator"]),
     portable=st.booleans(),
 )
 def test_native_block_hashes_equal_python_twin(tokens, block_size, parent, extra, container,
                                                portable):
-    seq = {"list": list, "tuple": tuple, "array": lambda t: array("I", t)}[container](tokens)
+    seq = {"list": list, "tuple": tuple, "array": lambda t: array("I", t),
+           "iterator": lambda t: (x for x in t)}[container](tokens)
     C.sha256_force_portable(portable)
     try:
         got = C.block_hashes(seq, block_size, parent, encode_extra_keys(extra))
