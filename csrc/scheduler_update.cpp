@@ -72,11 +72,23 @@ struct SlotEntry {
   Py_ssize_t offset;  // -1: not a plain slot
 };
 
+// Open addressing on (type, name): these loops look up ~20 attributes per
+// request, so the lookup itself must be a hash and a compare or two.
+constexpr size_t kSlotTableSize = 256;  // at most half full
+constexpr size_t kSlotTableMax = kSlotTableSize / 2;
+
+size_t slot_hash(PyTypeObject* t, PyObject* name) {
+  const auto h = (reinterpret_cast<uintptr_t>(t) >> 4) * 0x9E3779B97F4A7C15ULL ^
+                 (reinterpret_cast<uintptr_t>(name) >> 4);
+  return static_cast<size_t>(h ^ (h >> 29)) & (kSlotTableSize - 1);
+}
+
 Py_ssize_t slot_offset(PyTypeObject* t, PyObject* name) {
-  static std::array<SlotEntry, 64> cache{};
+  static std::array<SlotEntry, kSlotTableSize> table{};
   static size_t used = 0;
-  for (size_t i = 0; i < used; ++i) {
-    if (cache[i].type == t && cache[i].name == name) return cache[i].offset;
+  size_t i = slot_hash(t, name);
+  for (; table[i].type != nullptr; i = (i + 1) & (kSlotTableSize - 1)) {
+    if (table[i].type == t && table[i].name == name) return table[i].offset;
   }
   Py_ssize_t offset = -1;
   if (t->tp_getattro == PyObject_GenericGetAttr && t->tp_setattro == PyObject_GenericSetAttr) {
@@ -91,9 +103,14 @@ Py_ssize_t slot_offset(PyTypeObject* t, PyObject* name) {
       Py_DECREF(d);
     }
   }
-  if (used < cache.size()) {
-    Py_INCREF(t);  // the cache keeps the type (and so the offset) valid
-    cache[used++] = SlotEntry{t, name, offset};
+  if (used < kSlotTableMax) {
+    // Probe again: the getattr above may have run Python code that added entries.
+    for (i = slot_hash(t, name); table[i].type != nullptr; i = (i + 1) & (kSlotTableSize - 1)) {
+      if (table[i].type == t && table[i].name == name) return table[i].offset;
+    }
+    Py_INCREF(t);  // the table keeps the type (and so the offset) valid
+    table[i] = SlotEntry{t, name, offset};
+    ++used;
   }
   return offset;
 }
@@ -176,7 +193,8 @@ bool check_stop(PyObject* req, PyObject* tok, Py_ssize_t n_out, Py_ssize_t n_all
   return false;
 }
 
-void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py::dict index_of,
+void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py::list req_ids,
+                    py::dict index_of,
                     py::object in_flight, long long max_model_len, py::tuple statuses,
                     py::dict outputs, py::object cols, py::list stopped_list, py::tuple types,
                     py::object emit_finished, py::object update_request) {
@@ -198,7 +216,10 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
 
   PyObject *rid, *value;
   Py_ssize_t pos = 0;
-  while (PyDict_Next(scheduled.ptr(), &pos, &rid, &value)) {
+  // The runner answers in schedule order as a rule: req_ids[k] is the k-th
+  // scheduled request, and its index needs no dict lookup.
+  const Py_ssize_t num_answered = PyList_GET_SIZE(req_ids.ptr());
+  for (Py_ssize_t k = 0; PyDict_Next(scheduled.ptr(), &pos, &rid, &value); ++k) {
     if (in_flight_set != nullptr && PySet_Discard(in_flight_set, rid) < 0) {
       throw py::error_already_set();
     }
@@ -215,13 +236,16 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
       if (ne < 0) throw py::error_already_set();
       if (ne) continue;  // aborted or preempted while its batch ran
     }
-    PyObject* idx = PyDict_GetItemWithError(index_of.ptr(), rid);
-    if (idx == nullptr) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      continue;  // nothing sampled
+    Py_ssize_t i = k;
+    if (k >= num_answered || PyList_GET_ITEM(req_ids.ptr(), k) != rid) {
+      PyObject* idx = PyDict_GetItemWithError(index_of.ptr(), rid);
+      if (idx == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        continue;  // nothing sampled
+      }
+      i = PyLong_AsSsize_t(idx);
+      if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
     }
-    const Py_ssize_t i = PyLong_AsSsize_t(idx);
-    if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
     if (i < 0 || i >= PyList_GET_SIZE(sampled.ptr())) throw py::index_error("sampled index");
     PyObject* toks = PyList_GET_ITEM(sampled.ptr(), i);  // borrowed
     if (!PyList_Check(toks)) throw py::type_error("sampled token ids must be lists");
@@ -380,9 +404,40 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
   return py::make_tuple(idx, token_budget);
 }
 
+// Scheduler._finish_running: (request ids, num_computed_tokens before this
+// step, whether any has a grammar) of the scheduled running requests, whose
+// num_computed_tokens then count this step's tokens.
+py::tuple finish_running(py::list scheduled_running, py::dict num_scheduled_tokens) {
+  const Names& nm = names();
+  const Py_ssize_t n = PyList_GET_SIZE(scheduled_running.ptr());
+  py::list ids(n), computed(n);
+  bool any_grammar = false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* req = PyList_GET_ITEM(scheduled_running.ptr(), i);
+    PyObject* rid = get(req, nm.request_id);  // the list takes this reference
+    PyList_SET_ITEM(ids.ptr(), i, rid);
+    PyObject* before = get(req, nm.num_computed_tokens);
+    PyList_SET_ITEM(computed.ptr(), i, before);
+    PyObject* num = PyDict_GetItemWithError(num_scheduled_tokens.ptr(), rid);
+    if (num == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rid);
+      throw py::error_already_set();
+    }
+    Ref after(PyNumber_Add(before, num));
+    set_attr(req, nm.num_computed_tokens, after.p);
+    if (!any_grammar) {
+      Ref grammar(get(req, nm.grammar));
+      any_grammar = grammar.p != Py_None;
+    }
+  }
+  return py::make_tuple(ids, computed, any_grammar);
+}
+
 }  // namespace
 
 void bind_scheduler_update(py::module_& m) {
+  m.def("finish_running", &finish_running,
+        "Scheduler._finish_running: ids, computed counts, grammar flag; counts advanced.");
   m.def("update_decodes", &update_decodes,
         "The plain-decode loop of Scheduler.update_from_output (see scheduler.py).");
   m.def("schedule_running", &schedule_running,

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from enginecore import _native
 from enginecore.blocking_queue import PyBlockingQueue, make_blocking_queue
+from enginecore.executor.synthetic import sample_py
 from enginecore.sched.block_hash import block_hashes_py, encode_extra_keys
 
 from helpers import make_request, synthetic_engine
@@ -160,3 +161,35 @@ def test_gil_is_free_while_the_engine_waits_on_the_model(hot_path):
     fraction = busy / alone
     print(f"\n{hot_path}: other thread ran {100 * fraction:.1f}% of its solo speed")
     assert fraction > 0.9
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), num=st.integers(0, 12), vocab=st.integers(1, 50))
+def test_native_synthetic_sampler_equals_python_twin(data, num, vocab):
+    """The synthetic executor's loop: same tokens, index, state; drafts accepted
+    while they match (a vocabulary of 1-50 makes matches common)."""
+    rids = [f"r{i}" for i in range(num)]
+    num_cached = data.draw(st.integers(0, num))
+    scheduled, spec, state = {}, {}, {}
+    cached_computed, new_computed = [], {}
+    for i, rid in enumerate(rids):
+        known = data.draw(st.integers(1, 40))
+        computed = data.draw(st.integers(0, known))
+        drafts = data.draw(st.lists(st.integers(0, vocab), max_size=3))
+        if drafts:
+            spec[rid] = drafts
+        scheduled[rid] = data.draw(st.integers(1, 8)) + len(drafts)
+        state[rid] = [data.draw(st.integers(0, 2**64 - 1)), known]
+        if i < num_cached:
+            cached_computed.append(computed)
+        else:
+            new_computed[rid] = computed
+    cached_ids = rids[:num_cached]
+    if data.draw(st.booleans()):  # out of schedule order: the native lookup falls back
+        order = data.draw(st.permutations(rids))
+        scheduled = {r: scheduled[r] for r in order}
+    py_state = {r: list(s) for r, s in state.items()}
+    want = sample_py(scheduled, spec, py_state, cached_ids, cached_computed, new_computed, vocab)
+    got = C.synthetic_sample(scheduled, spec, state, cached_ids, cached_computed, new_computed,
+                             vocab)
+    assert got == want and state == py_state

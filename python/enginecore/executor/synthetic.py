@@ -13,6 +13,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from enginecore import _native
 from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
 from enginecore.executor.lora_slots import LoRASlots
 from enginecore.protocol import LoRARequest
@@ -34,6 +35,42 @@ def request_seed(seed: int | None, prompt_token_ids: list[int]) -> int:
     if seed is not None:
         return seed & _MASK
     return zlib.crc32(bytes(str(prompt_token_ids[:256]), "ascii")) | (len(prompt_token_ids) << 32)
+
+
+def sample_py(
+    scheduled: dict[str, int], spec: dict[str, list[int]], state: dict[str, list[int]],
+    cached_ids: list[str], cached_computed: list[int], new_computed: dict[str, int],
+    vocab_size: int,
+) -> tuple[list[str], dict[str, int], list[list[int]]]:
+    """The per-request loop (twin of csrc/synthetic_sampler.cpp): (req_ids,
+    req_id_to_index, sampled). ``state`` is req_id -> [seed, tokens the runner
+    knows], updated in place; drafts are accepted while they equal the tokens
+    this instrument samples."""
+    if vocab_size <= 0:
+        raise ValueError("vocab_size must be positive")
+    computed = dict(zip(cached_ids, cached_computed))
+    computed.update(new_computed)
+    req_ids = list(scheduled)
+    sampled: list[list[int]] = []
+    for rid, n in scheduled.items():
+        st = state[rid]
+        drafts = spec.get(rid)
+        if drafts:
+            n -= len(drafts)
+        if computed[rid] + n < st[1]:
+            sampled.append([])  # mid-prefill chunk: nothing to sample
+            continue
+        pos = st[1]
+        tokens = [synthetic_token(st[0], pos, vocab_size)]
+        if drafts:
+            for d in drafts:
+                if d != tokens[-1]:
+                    break
+                pos += 1
+                tokens.append(synthetic_token(st[0], pos, vocab_size))
+        st[1] += len(tokens)
+        sampled.append(tokens)
+    return req_ids, {r: i for i, r in enumerate(req_ids)}, sampled
 
 
 class SyntheticExecutor(Executor):
@@ -90,42 +127,24 @@ class SyntheticExecutor(Executor):
 
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         state = self._state
-        vocab = self.vocab_size
         with self._lock:
             self.num_steps += 1
             for rid in so.finished_req_ids:
                 state.pop(rid, None)
             for rid in so.preempted_req_ids:
                 state.pop(rid, None)
-            computed: dict[str, int] = {}
+            new_computed: dict[str, int] = {}
             for new in so.scheduled_new_reqs:
                 seed = request_seed(new.sampling_params.seed, new.token_ids[: new.num_prompt_tokens])
                 state[new.req_id] = [seed, len(new.token_ids)]
-                computed[new.req_id] = new.num_computed_tokens
+                new_computed[new.req_id] = new.num_computed_tokens
             cached = so.scheduled_cached_reqs
-            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-            spec = so.scheduled_spec_decode_tokens
-            req_ids = list(so.num_scheduled_tokens)
-            sampled: list[list[int]] = []
-            for rid, n in so.num_scheduled_tokens.items():
-                st = state[rid]
-                drafts = spec.get(rid)
-                if drafts:
-                    n -= len(drafts)
-                if computed[rid] + n < st[1]:
-                    sampled.append([])  # mid-prefill chunk: nothing to sample
-                    continue
-                pos = st[1]
-                tokens = [synthetic_token(st[0], pos, vocab)]
-                if drafts:
-                    for d in drafts:
-                        if d != tokens[-1]:
-                            break
-                        pos += 1
-                        tokens.append(synthetic_token(st[0], pos, vocab))
-                st[1] += len(tokens)
-                sampled.append(tokens)
-        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+            ext = _native.extension()
+            sample = ext.synthetic_sample if ext is not None else sample_py
+            req_ids, index_of, sampled = sample(
+                so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, state, cached.req_ids,
+                cached.num_computed_tokens, new_computed, self.vocab_size)
+        return ModelRunnerOutput(req_ids, index_of, sampled)
 
     def execute_dummy_batch(self) -> None:
         self.num_dummy_batches += 1

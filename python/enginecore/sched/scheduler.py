@@ -42,6 +42,26 @@ _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
+def finish_running_py(
+    scheduled_running: list[Request], num_scheduled_tokens: dict[str, int]
+) -> tuple[list[str], list[int], bool]:
+    """(request ids, num_computed_tokens before this step, whether any has a
+    grammar) of the scheduled running requests, whose computed counts then
+    include this step's tokens. Twin of _C.finish_running."""
+    ids = []
+    computed = []
+    any_grammar = False
+    for r in scheduled_running:
+        rid = r.request_id
+        before = r.num_computed_tokens
+        ids.append(rid)
+        computed.append(before)
+        r.num_computed_tokens = before + num_scheduled_tokens[rid]
+        if r.grammar is not None:
+            any_grammar = True
+    return ids, computed, any_grammar
+
+
 class PauseState(enum.IntEnum):
     UNPAUSED = 0
     PAUSED_NEW = 1  # running requests go on; waiting ones are not admitted
@@ -312,8 +332,12 @@ class Scheduler:
             for request in reversed(skipped):
                 waiting.prepend_request(request)
 
-        grammar_bitmask = self._grammar_bitmasks(scheduled_running, scheduled_new,
-                                                 num_scheduled_tokens, spec_tokens)
+        # The running requests' ids and computed counts for the runner; their
+        # scheduled tokens count as computed from now on (the runner computes them).
+        ext = _native.extension()
+        finish = ext.finish_running if ext is not None else finish_running_py
+        cached_ids, cached_computed, any_grammar = finish(scheduled_running,
+                                                          num_scheduled_tokens)
         new_reqs_data = [
             NewRequestData(
                 req_id=r.request_id,
@@ -326,10 +350,15 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+            any_grammar = any_grammar or r.grammar is not None
+        grammar_bitmask = (self._grammar_bitmasks(scheduled_running, scheduled_new)
+                           if any_grammar else {})
         cached = CachedRequestData(
-            req_ids=[r.request_id for r in scheduled_running],
+            req_ids=cached_ids,
             new_block_ids=running_new_blocks,
-            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+            num_computed_tokens=cached_computed,
         )
         total = self.max_num_scheduled_tokens - token_budget
         self.step_counter += 1
@@ -346,26 +375,22 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
-        # The scheduled tokens count as computed from now on (the runner computes them).
-        for r in scheduled_running:
-            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
-        for r in scheduled_new:
-            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
         if self.track_in_flight:
             in_flight.update(num_scheduled_tokens)
         if self.log_stats:
             self.last_iteration = self._iteration_details(output, scheduled_new, len(preempted))
         return output
 
-    def _grammar_bitmasks(self, running, new, num_scheduled, spec_tokens) -> dict:
-        """Bitmasks for constrained requests that sample this step. A request is in at
-        most one batch in flight, so its grammar state already includes every token
-        it accepted: the mask is right even with a batch queue."""
+    def _grammar_bitmasks(self, running, new) -> dict:
+        """Bitmasks for constrained requests that sample this step (called once
+        their computed counts include this step's tokens). A request is in at most
+        one batch in flight, so its grammar state already includes every token it
+        accepted: the mask is right even with a batch queue."""
         masks = {}
         for r in (*running, *new):
             if r.grammar is None:
                 continue
-            if r.num_computed_tokens + num_scheduled[r.request_id] >= len(r.all_token_ids):
+            if r.num_computed_tokens >= len(r.all_token_ids):
                 masks[r.request_id] = self.structured_output.bitmask(r.grammar)
         return masks
 
@@ -445,7 +470,8 @@ class Scheduler:
         if ext is not None and not spec and logprobs is None and pooled is None:
             # Plain decodes: the per-request loop below, in C++ (csrc/scheduler_update.cpp).
             ext.update_decodes(
-                requests, scheduler_output.num_scheduled_tokens, sampled, index_of, in_flight,
+                requests, scheduler_output.num_scheduled_tokens, sampled, model_output.req_ids,
+                index_of, in_flight,
                 self.max_model_len, (_RUNNING, _LENGTH, _STOPPED), outputs,
                 cols if columnar else None, stopped, (EngineCoreOutput, ColumnarOutputs),
                 self._emit_finished, self._update_request)

@@ -1,0 +1,128 @@
+// The synthetic executor's per-request loop, native twin of
+// SyntheticExecutor._sample in python/enginecore/executor/synthetic.py. The
+// executor is the engine's measuring instrument: with its loop in Python it was
+// half of a native engine step at 256 decodes, hiding what the engine costs.
+//
+// Tokens are splitmix64(seed, position) reduced to the vocabulary; a request in
+// the middle of a prefill chunk samples nothing; drafts are accepted while they
+// equal the tokens the instrument would have sampled.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+namespace py = pybind11;
+
+namespace enginecore {
+namespace {
+
+uint64_t splitmix64(uint64_t seed, uint64_t position) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ULL + position + 0x632BE59BD9B4E019ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+long long as_ll(PyObject* o) {
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+PyObject* checked(PyObject* o) {
+  if (o == nullptr) throw py::error_already_set();
+  return o;
+}
+
+// Returns (req_ids, req_id_to_index, sampled) as ModelRunnerOutput takes them.
+// state: req_id -> [seed, tokens the runner knows] (updated in place);
+// cached_ids / cached_computed: CachedRequestData's parallel lists, which come
+// first in `scheduled` in the same order; new_computed: the new requests'.
+py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
+                           py::list cached_ids, py::list cached_computed, py::dict new_computed,
+                           long long vocab_size) {
+  if (vocab_size <= 0) throw py::value_error("vocab_size must be positive");
+  const auto vocab = static_cast<uint64_t>(vocab_size);
+  const Py_ssize_t n = PyDict_GET_SIZE(scheduled.ptr());
+  const Py_ssize_t num_cached = PyList_GET_SIZE(cached_ids.ptr());
+  py::list req_ids(n), sampled(n);
+  py::dict index_of;
+  const bool any_spec = PyDict_GET_SIZE(spec.ptr()) > 0;
+  Py_ssize_t pos = 0, i = 0;
+  PyObject *rid, *num;
+  while (PyDict_Next(scheduled.ptr(), &pos, &rid, &num)) {
+    Py_INCREF(rid);
+    PyList_SET_ITEM(req_ids.ptr(), i, rid);
+    py::object idx = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(i)));
+    if (PyDict_SetItem(index_of.ptr(), rid, idx.ptr()) != 0) throw py::error_already_set();
+    PyObject* st = PyDict_GetItemWithError(state.ptr(), rid);
+    if (st == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rid);
+      throw py::error_already_set();
+    }
+    PyObject* computed_obj;
+    if (i < num_cached && PyList_GET_ITEM(cached_ids.ptr(), i) == rid) {
+      computed_obj = PyList_GET_ITEM(cached_computed.ptr(), i);
+    } else {
+      computed_obj = PyDict_GetItemWithError(new_computed.ptr(), rid);
+      if (computed_obj == nullptr) {
+        // Not in schedule order after all: look among the cached ones.
+        if (PyErr_Occurred()) throw py::error_already_set();
+        for (Py_ssize_t k = 0; k < num_cached && computed_obj == nullptr; ++k) {
+          const int eq = PyObject_RichCompareBool(PyList_GET_ITEM(cached_ids.ptr(), k), rid,
+                                                  Py_EQ);
+          if (eq < 0) throw py::error_already_set();
+          if (eq) computed_obj = PyList_GET_ITEM(cached_computed.ptr(), k);
+        }
+        if (computed_obj == nullptr) {
+          PyErr_SetObject(PyExc_KeyError, rid);
+          throw py::error_already_set();
+        }
+      }
+    }
+    PyObject* drafts = any_spec ? PyDict_GetItemWithError(spec.ptr(), rid) : nullptr;
+    if (drafts == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    const Py_ssize_t num_drafts = drafts ? PyObject_Length(drafts) : 0;
+    if (num_drafts < 0) throw py::error_already_set();
+    const long long known = as_ll(PyList_GET_ITEM(st, 1));
+    if (as_ll(computed_obj) + as_ll(num) - num_drafts < known) {
+      PyList_SET_ITEM(sampled.ptr(), i, checked(PyList_New(0)));  // mid-prefill chunk
+      ++i;
+      continue;
+    }
+    const uint64_t seed = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(st, 0));
+    if (PyErr_Occurred()) throw py::error_already_set();
+    uint64_t p = static_cast<uint64_t>(known);
+    uint64_t tok = splitmix64(seed, p) % vocab;
+    py::list tokens = py::reinterpret_steal<py::list>(checked(PyList_New(1)));
+    PyList_SET_ITEM(tokens.ptr(), 0, checked(PyLong_FromUnsignedLongLong(tok)));
+    for (Py_ssize_t d = 0; d < num_drafts; ++d) {
+      py::object draft = py::reinterpret_steal<py::object>(checked(PySequence_GetItem(drafts, d)));
+      int overflow = 0;
+      const long long dv = PyLong_AsLongLongAndOverflow(draft.ptr(), &overflow);
+      if (dv == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (overflow || dv < 0 || static_cast<uint64_t>(dv) != tok) break;
+      tok = splitmix64(seed, ++p) % vocab;
+      py::object t = py::reinterpret_steal<py::object>(checked(PyLong_FromUnsignedLongLong(tok)));
+      if (PyList_Append(tokens.ptr(), t.ptr()) != 0) throw py::error_already_set();
+    }
+    const Py_ssize_t produced = PyList_GET_SIZE(tokens.ptr());
+    if (PyList_SetItem(st, 1, checked(PyLong_FromLongLong(known + produced))) != 0) {
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(sampled.ptr(), i, tokens.release().ptr());
+    ++i;
+  }
+  if (i != n) throw py::value_error("scheduled changed size during sampling");
+  return py::make_tuple(req_ids, index_of, sampled);
+}
+
+}  // namespace
+
+void bind_synthetic_sampler(py::module_& m) {
+  m.def("synthetic_sample", &synthetic_sample, py::arg("scheduled"), py::arg("spec"),
+        py::arg("state"), py::arg("cached_ids"), py::arg("cached_computed"),
+        py::arg("new_computed"), py::arg("vocab_size"),
+        "The synthetic executor's per-request loop: (req_ids, req_id_to_index, sampled).");
+}
+
+}  // namespace enginecore
