@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "block_hash.h"
 #include "sha256.h"
 
 namespace py = pybind11;
@@ -98,38 +99,62 @@ class TokenSource {
 // Holds the GIL throughout (~4.5 us per 1k tokens): block b+1's ids are read
 // from their Python ints while block b hashes, and the CPU overlaps the two
 // (the chain is latency-bound); each digest is written straight into its bytes.
+void append_block_hashes(py::handle token_ids, size_t first_token, size_t num_blocks,
+                         size_t block_size, const uint8_t parent[32], const std::string& extra,
+                         py::handle out) {
+  const TokenSource source(token_ids);
+  if (first_token + num_blocks * block_size > source.size()) {
+    throw py::value_error("fewer token ids than the blocks to hash");
+  }
+  Sha256Chain chain(parent, 4 * block_size, reinterpret_cast<const uint8_t*>(extra.data()),
+                    extra.size());
+  // Token ids go in as the host's uint32 bytes: little endian, as the format says.
+  std::vector<uint32_t> cur(block_size), ahead(block_size);
+  size_t begin = first_token;
+  if (num_blocks) source.read(begin, begin + block_size, cur.data());
+  for (size_t b = 0; b < num_blocks; ++b, begin += block_size) {
+    if (b + 1 < num_blocks) source.read(begin + block_size, begin + 2 * block_size, ahead.data());
+    py::object digest = py::reinterpret_steal<py::object>(PyBytes_FromStringAndSize(nullptr, 32));
+    if (!digest) throw py::error_already_set();
+    chain.next(reinterpret_cast<const uint8_t*>(cur.data()),
+               reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(digest.ptr())));
+    if (PyList_Append(out.ptr(), digest.ptr()) != 0) throw py::error_already_set();
+    cur.swap(ahead);
+  }
+}
+
+void parent_bytes(py::handle parent, uint8_t out[32]) {
+  std::memset(out, 0, 32);
+  if (parent.is_none()) return;
+  if (!PyBytes_Check(parent.ptr()) || PyBytes_GET_SIZE(parent.ptr()) != 32) {
+    throw py::value_error("parent hash must be 32 bytes");
+  }
+  std::memcpy(out, PyBytes_AS_STRING(parent.ptr()), 32);
+}
+
+namespace {
+
 py::list block_hashes(py::handle token_ids, size_t block_size, py::object parent,
                       py::bytes extra) {
   if (block_size == 0) throw py::value_error("block_size must be positive");
-  uint8_t root[32] = {0};
-  if (!parent.is_none()) {
-    std::string p = py::cast<std::string>(py::reinterpret_borrow<py::bytes>(parent));
-    if (p.size() != 32) throw py::value_error("parent hash must be 32 bytes");
-    std::memcpy(root, p.data(), 32);
-  }
-  const TokenSource source(token_ids);
+  uint8_t root[32];
+  parent_bytes(parent, root);
+  // A list or tuple is read in place; anything else becomes a list once.
+  py::object seq = py::reinterpret_borrow<py::object>(token_ids);
+  const bool in_place = PyList_Check(seq.ptr()) || PyTuple_Check(seq.ptr()) ||
+                        PyObject_CheckBuffer(seq.ptr());
+  if (!in_place) seq = py::list(py::reinterpret_borrow<py::iterable>(token_ids));
+  const TokenSource source(seq);
   const size_t num_blocks = source.size() / block_size;
-  const std::string extra_s = extra;
-  Sha256Chain chain(root, 4 * block_size, reinterpret_cast<const uint8_t*>(extra_s.data()),
-                    extra_s.size());
-  py::list out(static_cast<Py_ssize_t>(num_blocks));
-  // Token ids go in as the host's uint32 bytes: little endian, as the format says.
-  std::vector<uint32_t> cur(block_size), ahead(block_size);
-  if (num_blocks) source.read(0, block_size, cur.data());
-  for (size_t b = 0; b < num_blocks; ++b) {
-    if (b + 1 < num_blocks) source.read((b + 1) * block_size, (b + 2) * block_size, ahead.data());
-    PyObject* digest = PyBytes_FromStringAndSize(nullptr, 32);
-    if (!digest) throw py::error_already_set();
-    chain.next(reinterpret_cast<const uint8_t*>(cur.data()),
-               reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(digest)));
-    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(b), digest);
-    cur.swap(ahead);
-  }
+  py::list out;
+  append_block_hashes(seq, 0, num_blocks, block_size, root, extra, out);
   // Every id is validated (as the Python twin does), even those past the last full block.
   std::vector<uint32_t> tail(source.size() - num_blocks * block_size);
   source.read(num_blocks * block_size, source.size(), tail.data());
   return out;
 }
+
+}  // namespace
 
 void bind_block_hash(py::module_& m) {
   m.def("block_hashes", &block_hashes, py::arg("token_ids"), py::arg("block_size"),

@@ -14,6 +14,9 @@
 #include <structmember.h>
 
 #include <array>
+#include <string>
+
+#include "block_hash.h"
 
 
 namespace py = pybind11;
@@ -42,7 +45,8 @@ struct Names {
   PyObject *status, *grammar, *output_token_ids, *all_token_ids, *block_size, *block_hashes,
       *extend_block_hashes, *max_tokens, *min_tokens, *eos_token_id, *ignore_eos,
       *stop_token_ids, *stop_reason, *client_index, *request_ids, *new_token_ids, *request_id,
-      *num_computed_tokens, *spec_token_ids, *allocate_slots, *cache_full_blocks, *block_id;
+      *num_computed_tokens, *spec_token_ids, *allocate_slots, *cache_full_blocks, *block_id,
+      *hash_algo, *extra_bytes, *cached_block_hash_to_block, *block_hash;
   Names()
       : status(intern("status")), grammar(intern("grammar")),
         output_token_ids(intern("output_token_ids")), all_token_ids(intern("all_token_ids")),
@@ -54,7 +58,10 @@ struct Names {
         request_ids(intern("request_ids")), new_token_ids(intern("new_token_ids")),
         request_id(intern("request_id")), num_computed_tokens(intern("num_computed_tokens")),
         spec_token_ids(intern("spec_token_ids")), allocate_slots(intern("allocate_slots")),
-        cache_full_blocks(intern("cache_full_blocks")), block_id(intern("block_id")) {}
+        cache_full_blocks(intern("cache_full_blocks")), block_id(intern("block_id")),
+        hash_algo(intern("hash_algo")), extra_bytes(intern("_extra_bytes")),
+        cached_block_hash_to_block(intern("cached_block_hash_to_block")),
+        block_hash(intern("block_hash")) {}
 };
 
 const Names& names() {
@@ -193,6 +200,65 @@ bool check_stop(PyObject* req, PyObject* tok, Py_ssize_t n_out, Py_ssize_t n_all
   return false;
 }
 
+// Request._extend_block_hashes: hash the blocks the request's tokens filled.
+void extend_block_hashes(PyObject* req, PyObject* all_ids, Py_ssize_t n_all) {
+  const Names& nm = names();
+  const long long bs = attr_int(req, nm.block_size);
+  if (bs <= 0) return;
+  Ref hashes(get(req, nm.block_hashes));
+  if (!PyList_Check(hashes.p)) {
+    Ref r(PyObject_CallMethodObjArgs(req, nm.extend_block_hashes, nullptr));
+    return;
+  }
+  const Py_ssize_t done = PyList_GET_SIZE(hashes.p);
+  if (n_all < (done + 1) * bs) return;
+  Ref algo(get(req, nm.hash_algo));
+  Ref extra(get(req, nm.extra_bytes));
+  if (!PyUnicode_Check(algo.p) || PyUnicode_CompareWithASCIIString(algo.p, "sha256") != 0 ||
+      !PyBytes_Check(extra.p)) {
+    Ref r(PyObject_CallMethodObjArgs(req, nm.extend_block_hashes, nullptr));
+    return;
+  }
+  uint8_t parent[32];
+  parent_bytes(done ? PyList_GET_ITEM(hashes.p, done - 1) : Py_None, parent);
+  const std::string extra_s(PyBytes_AS_STRING(extra.p),
+                            static_cast<size_t>(PyBytes_GET_SIZE(extra.p)));
+  append_block_hashes(all_ids, static_cast<size_t>(done * bs),
+                      static_cast<size_t>(n_all / bs - done), static_cast<size_t>(bs), parent,
+                      extra_s, hashes.p);
+}
+
+// BlockPool.cache_full_blocks: register blocks[start:end], now full, under
+// their hashes (a block whose hash another block holds stays uncached).
+void cache_full_blocks(PyObject* block_pool, PyObject* blocks, PyObject* hashes,
+                       long long start, long long end) {
+  const Names& nm = names();
+  if (!PyList_Check(blocks) || !PyList_Check(hashes)) {
+    Ref a(PyLong_FromLongLong(start)), b(PyLong_FromLongLong(end));
+    Ref r(PyObject_CallMethodObjArgs(block_pool, nm.cache_full_blocks, blocks, hashes, a.p, b.p,
+                                     nullptr));
+    return;
+  }
+  Ref cached(get(block_pool, nm.cached_block_hash_to_block));
+  for (long long i = start; i < end; ++i) {
+    if (i >= PyList_GET_SIZE(blocks) || i >= PyList_GET_SIZE(hashes)) {
+      throw py::index_error("list index out of range");
+    }
+    PyObject* block = PyList_GET_ITEM(blocks, i);
+    {
+      Ref current(get(block, nm.block_hash));
+      if (current.p != Py_None) continue;
+    }
+    PyObject* h = PyList_GET_ITEM(hashes, i);
+    const int known = PyDict_Contains(cached.p, h);
+    if (known < 0) throw py::error_already_set();
+    if (!known) {
+      set_attr(block, nm.block_hash, h);
+      if (PyDict_SetItem(cached.p, h, block) != 0) throw py::error_already_set();
+    }
+  }
+}
+
 void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py::list req_ids,
                     py::dict index_of,
                     py::object in_flight, long long max_model_len, py::tuple statuses,
@@ -266,10 +332,7 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
     append(all_ids.p, tok);
     const Py_ssize_t n_out = PyList_GET_SIZE(out_ids.p);
     const Py_ssize_t n_all = PyList_GET_SIZE(all_ids.p);
-    const long long bs = attr_int(req, nm.block_size);
-    if (bs > 0 && n_all >= (attr_len(req, nm.block_hashes) + 1) * bs) {
-      Ref r(PyObject_CallMethodObjArgs(req, nm.extend_block_hashes, nullptr));
-    }
+    extend_block_hashes(req, all_ids.p, n_all);
     if (check_stop(req, tok, n_out, n_all, max_model_len, length, stopped)) {
       append(stopped_list.ptr(), req);
       Ref r(PyObject_CallFunctionObjArgs(emit_finished.ptr(), req, rid, toks, outputs.ptr(),
@@ -366,10 +429,8 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
         if (done == -1 && PyErr_Occurred()) throw py::error_already_set();
         if (num_full > done) {
           Ref hashes(get(req, nm.block_hashes));
-          Ref start(PyLong_FromLongLong(done));
+          cache_full_blocks(block_pool.ptr(), blocks, hashes.p, done, num_full);
           Ref stop(PyLong_FromLongLong(num_full));
-          Ref r(PyObject_CallMethodObjArgs(block_pool.ptr(), nm.cache_full_blocks, blocks,
-                                           hashes.p, start.p, stop.p, nullptr));
           if (PyDict_SetItem(num_cached_blocks.ptr(), rid.p, stop.p) != 0) {
             throw py::error_already_set();
           }

@@ -95,8 +95,11 @@ def schedule_and_tokens(**kw):
     eng = synthetic_engine(block_size=4, max_num_batched_tokens=48, num_gpu_blocks_override=40,
                            max_model_len=64, **kw)
     for i in range(30):
-        eng.add_request(make_request(f"r{i}", [i % 7 + 1] * (i % 9 + 2) + [i], max_tokens=5 + i % 13,
-                                     seed=i))
+        req = make_request(f"r{i}", [i % 7 + 1] * (i % 9 + 2) + [i], max_tokens=5 + i % 13,
+                           seed=i)
+        if i % 3 == 0:  # salted: the decode-filled blocks hash with extra keys
+            req.cache_salt = f"salt{i % 2}"
+        eng.add_request(req)
     trace, tokens = [], {}
     real_schedule = eng.scheduler.schedule
 
@@ -110,7 +113,9 @@ def schedule_and_tokens(**kw):
         for outs in eng.step_fn()[0].values():
             for o in outs.outputs:
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return trace, tokens, eng.scheduler.num_preempted_total
+    # The prefix cache at the end: every block hash registered, prompt and decode.
+    cached = sorted(eng.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
+    return trace, tokens, eng.scheduler.num_preempted_total, cached
 
 
 @pytest.mark.parametrize("batches", [1, 2])
@@ -125,6 +130,7 @@ def test_whole_engine_runs_identical_on_both_paths(batches):
             _native._enabled = previous
     assert runs["native"] == runs["python"]
     assert runs["native"][2] > 0  # the run did preempt
+    assert len(runs["native"][3]) > 30  # decode blocks were hashed and cached
 
 
 def test_gil_is_free_while_the_engine_waits_on_the_model(hot_path):

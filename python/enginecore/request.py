@@ -7,7 +7,7 @@ import time
 
 from enginecore.protocol import EngineCoreRequest, FinishReason, LoRARequest, PoolingParams
 from enginecore.sampling_params import SamplingParams
-from enginecore.sched.block_hash import ExtraKey, block_hashes
+from enginecore.sched.block_hash import ExtraKey, block_hashes, encode_extra_keys
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +66,7 @@ class Request:
         "block_hashes",
         "hash_algo",
         "_extra_keys",
+        "_extra_bytes",
         "max_tokens",
         "min_tokens",
         "stop_token_ids",
@@ -129,6 +130,8 @@ class Request:
         if cache_salt is not None:
             keys.append(cache_salt)
         self._extra_keys = keys or None
+        # Encoded once for the native update loop, which extends hashes itself.
+        self._extra_bytes = encode_extra_keys(self._extra_keys)
         self.block_hashes: list[bytes] = []
         if enable_block_hashes:
             self.block_hashes = block_hashes(
