@@ -14,6 +14,8 @@
 #include <structmember.h>
 
 #include <array>
+#include <stdexcept>
+#include <utility>
 #include <string>
 
 #include "block_hash.h"
@@ -41,31 +43,36 @@ PyObject* intern(const char* s) {
   return o;  // immortal for the module's life
 }
 
-struct Names {
-  PyObject *status, *grammar, *output_token_ids, *all_token_ids, *block_size, *block_hashes,
-      *extend_block_hashes, *max_tokens, *min_tokens, *eos_token_id, *ignore_eos,
-      *stop_token_ids, *stop_reason, *client_index, *request_ids, *new_token_ids, *request_id,
-      *num_computed_tokens, *spec_token_ids, *allocate_slots, *cache_full_blocks, *block_id,
-      *hash_algo, *extra_bytes, *cached_block_hash_to_block, *block_hash;
-  Names()
-      : status(intern("status")), grammar(intern("grammar")),
-        output_token_ids(intern("output_token_ids")), all_token_ids(intern("all_token_ids")),
-        block_size(intern("block_size")), block_hashes(intern("block_hashes")),
-        extend_block_hashes(intern("_extend_block_hashes")), max_tokens(intern("max_tokens")),
-        min_tokens(intern("min_tokens")), eos_token_id(intern("eos_token_id")),
-        ignore_eos(intern("ignore_eos")), stop_token_ids(intern("stop_token_ids")),
-        stop_reason(intern("stop_reason")), client_index(intern("client_index")),
-        request_ids(intern("request_ids")), new_token_ids(intern("new_token_ids")),
-        request_id(intern("request_id")), num_computed_tokens(intern("num_computed_tokens")),
-        spec_token_ids(intern("spec_token_ids")), allocate_slots(intern("allocate_slots")),
-        cache_full_blocks(intern("cache_full_blocks")), block_id(intern("block_id")),
-        hash_algo(intern("hash_algo")), extra_bytes(intern("_extra_bytes")),
-        cached_block_hash_to_block(intern("cached_block_hash_to_block")),
-        block_hash(intern("block_hash")) {}
+// An attribute name and the (type, slot offset) it was last read on: each
+// name is read on one type almost always (status on Request, block_hash on
+// KVCacheBlock), so a type compare replaces the table lookup below.
+struct Attr {
+  PyObject* name;
+  PyTypeObject* type = nullptr;  // a reference held
+  Py_ssize_t offset = -1;
+  explicit Attr(const char* s) : name(intern(s)) {}
 };
 
-const Names& names() {
-  static const Names n;
+struct Names {
+  Attr status{"status"}, grammar{"grammar"}, output_token_ids{"output_token_ids"},
+      all_token_ids{"all_token_ids"}, block_size{"block_size"}, block_hashes{"block_hashes"},
+      extend_block_hashes{"_extend_block_hashes"}, max_tokens{"max_tokens"},
+      min_tokens{"min_tokens"}, eos_token_id{"eos_token_id"}, ignore_eos{"ignore_eos"},
+      stop_token_ids{"stop_token_ids"}, stop_reason{"stop_reason"},
+      client_index{"client_index"}, request_ids{"request_ids"},
+      new_token_ids{"new_token_ids"}, request_id{"request_id"},
+      num_computed_tokens{"num_computed_tokens"}, spec_token_ids{"spec_token_ids"},
+      allocate_slots{"allocate_slots"}, cache_full_blocks{"cache_full_blocks"},
+      block_id{"block_id"}, hash_algo{"hash_algo"}, extra_bytes{"_extra_bytes"},
+      cached_block_hash_to_block{"cached_block_hash_to_block"}, block_hash{"block_hash"},
+      free_block_queue{"free_block_queue"}, num_free_blocks{"num_free_blocks"}, head{"_head"},
+      next_free{"next_free"}, prev_free{"prev_free"}, ref_cnt{"ref_cnt"},
+      num_evictions{"num_evictions"}, max_model_len{"max_model_len"};
+};
+
+// Only touched with the GIL held.
+Names& names() {
+  static Names n;
   return n;
 }
 
@@ -122,9 +129,19 @@ Py_ssize_t slot_offset(PyTypeObject* t, PyObject* name) {
   return offset;
 }
 
+Py_ssize_t offset_of(PyTypeObject* t, Attr& a) {
+  if (a.type != t) {
+    a.offset = slot_offset(t, a.name);
+    Py_INCREF(t);  // the offset is only valid while this type lives
+    Py_XDECREF(reinterpret_cast<PyObject*>(a.type));
+    a.type = t;
+  }
+  return a.offset;
+}
+
 // New reference (throws on error).
-PyObject* get(PyObject* o, PyObject* name) {
-  const Py_ssize_t off = slot_offset(Py_TYPE(o), name);
+PyObject* get(PyObject* o, Attr& a) {
+  const Py_ssize_t off = offset_of(Py_TYPE(o), a);
   if (off >= 0) {
     PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
     if (v != nullptr) {
@@ -132,27 +149,27 @@ PyObject* get(PyObject* o, PyObject* name) {
       return v;
     }
   }
-  PyObject* v = PyObject_GetAttr(o, name);
+  PyObject* v = PyObject_GetAttr(o, a.name);
   if (v == nullptr) throw py::error_already_set();
   return v;
 }
 
-long long attr_int(PyObject* o, PyObject* name) {
-  Ref v(get(o, name));
+long long attr_int(PyObject* o, Attr& a) {
+  Ref v(get(o, a));
   const long long x = PyLong_AsLongLong(v.p);
   if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
   return x;
 }
 
-Py_ssize_t attr_len(PyObject* o, PyObject* name) {
-  Ref v(get(o, name));
+Py_ssize_t attr_len(PyObject* o, Attr& a) {
+  Ref v(get(o, a));
   const Py_ssize_t n = PyObject_Length(v.p);
   if (n < 0) throw py::error_already_set();
   return n;
 }
 
-void set_attr(PyObject* o, PyObject* name, PyObject* value) {
-  const Py_ssize_t off = slot_offset(Py_TYPE(o), name);
+void set_attr(PyObject* o, Attr& a, PyObject* value) {
+  const Py_ssize_t off = offset_of(Py_TYPE(o), a);
   if (off >= 0) {
     PyObject** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
     PyObject* old = *slot;
@@ -161,7 +178,7 @@ void set_attr(PyObject* o, PyObject* name, PyObject* value) {
     Py_XDECREF(old);
     return;
   }
-  if (PyObject_SetAttr(o, name, value) != 0) throw py::error_already_set();
+  if (PyObject_SetAttr(o, a.name, value) != 0) throw py::error_already_set();
 }
 
 void append(PyObject* list, PyObject* item) {
@@ -171,7 +188,7 @@ void append(PyObject* list, PyObject* item) {
 // Scheduler._check_stop for a request whose last output token is ``tok``.
 bool check_stop(PyObject* req, PyObject* tok, Py_ssize_t n_out, Py_ssize_t n_all,
                 long long max_model_len, PyObject* length, PyObject* stopped) {
-  const Names& nm = names();
+  Names& nm = names();
   if (n_all >= max_model_len || n_out >= attr_int(req, nm.max_tokens)) {
     set_attr(req, nm.status, length);
     return true;
@@ -202,12 +219,12 @@ bool check_stop(PyObject* req, PyObject* tok, Py_ssize_t n_out, Py_ssize_t n_all
 
 // Request._extend_block_hashes: hash the blocks the request's tokens filled.
 void extend_block_hashes(PyObject* req, PyObject* all_ids, Py_ssize_t n_all) {
-  const Names& nm = names();
+  Names& nm = names();
   const long long bs = attr_int(req, nm.block_size);
   if (bs <= 0) return;
   Ref hashes(get(req, nm.block_hashes));
   if (!PyList_Check(hashes.p)) {
-    Ref r(PyObject_CallMethodObjArgs(req, nm.extend_block_hashes, nullptr));
+    Ref r(PyObject_CallMethodObjArgs(req, nm.extend_block_hashes.name, nullptr));
     return;
   }
   const Py_ssize_t done = PyList_GET_SIZE(hashes.p);
@@ -216,7 +233,7 @@ void extend_block_hashes(PyObject* req, PyObject* all_ids, Py_ssize_t n_all) {
   Ref extra(get(req, nm.extra_bytes));
   if (!PyUnicode_Check(algo.p) || PyUnicode_CompareWithASCIIString(algo.p, "sha256") != 0 ||
       !PyBytes_Check(extra.p)) {
-    Ref r(PyObject_CallMethodObjArgs(req, nm.extend_block_hashes, nullptr));
+    Ref r(PyObject_CallMethodObjArgs(req, nm.extend_block_hashes.name, nullptr));
     return;
   }
   uint8_t parent[32];
@@ -232,10 +249,10 @@ void extend_block_hashes(PyObject* req, PyObject* all_ids, Py_ssize_t n_all) {
 // their hashes (a block whose hash another block holds stays uncached).
 void cache_full_blocks(PyObject* block_pool, PyObject* blocks, PyObject* hashes,
                        long long start, long long end) {
-  const Names& nm = names();
+  Names& nm = names();
   if (!PyList_Check(blocks) || !PyList_Check(hashes)) {
     Ref a(PyLong_FromLongLong(start)), b(PyLong_FromLongLong(end));
-    Ref r(PyObject_CallMethodObjArgs(block_pool, nm.cache_full_blocks, blocks, hashes, a.p, b.p,
+    Ref r(PyObject_CallMethodObjArgs(block_pool, nm.cache_full_blocks.name, blocks, hashes, a.p, b.p,
                                      nullptr));
     return;
   }
@@ -264,7 +281,7 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
                     py::object in_flight, long long max_model_len, py::tuple statuses,
                     py::dict outputs, py::object cols, py::list stopped_list, py::tuple types,
                     py::object emit_finished, py::object update_request) {
-  const Names& nm = names();
+  Names& nm = names();
   PyObject* running = statuses[0].ptr();
   PyObject* length = statuses[1].ptr();
   PyObject* stopped = statuses[2].ptr();
@@ -382,6 +399,57 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
   }
 }
 
+// The slow path of KVCacheManager.allocate_slots for a running request (no
+// prefix hits, no lookahead) with BlockPool.get_new_blocks and
+// FreeKVCacheBlockQueue.popleft_n inline: the blocks its tokens need beyond
+// those it has come from the front of the free queue (their hashes evicted).
+// Appends them to `blocks` and their ids to `new_ids`; false, changing
+// nothing, when the pool has too few free blocks (Python then preempts).
+bool grow_blocks(PyObject* blocks, long long num_needed, long long block_size, PyObject* pool,
+                 PyObject* new_ids) {
+  Names& nm = names();
+  const long long n = (num_needed + block_size - 1) / block_size - PyList_GET_SIZE(blocks);
+  if (n <= 0) return true;
+  Ref queue(get(pool, nm.free_block_queue));
+  const long long num_free = attr_int(queue.p, nm.num_free_blocks);
+  if (n > num_free) return false;
+  Ref cached(get(pool, nm.cached_block_hash_to_block));
+  Ref head(get(queue.p, nm.head));
+  Ref block(get(head.p, nm.next_free));
+  Ref one(PyLong_FromLong(1));
+  long long evicted = 0;
+  for (long long k = 0; k < n; ++k) {
+    if (block.p == Py_None) throw std::runtime_error("the free block queue is shorter than its count");
+    Ref next(get(block.p, nm.next_free));
+    set_attr(block.p, nm.prev_free, Py_None);
+    set_attr(block.p, nm.next_free, Py_None);
+    Ref h(get(block.p, nm.block_hash));
+    if (h.p != Py_None) {
+      PyObject* holder = PyDict_GetItemWithError(cached.p, h.p);  // borrowed
+      if (holder == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (holder == block.p && PyDict_DelItem(cached.p, h.p) != 0) {
+        throw py::error_already_set();
+      }
+      set_attr(block.p, nm.block_hash, Py_None);
+      ++evicted;
+    }
+    set_attr(block.p, nm.ref_cnt, one.p);
+    append(blocks, block.p);
+    Ref id(get(block.p, nm.block_id));
+    append(new_ids, id.p);
+    std::swap(block.p, next.p);  // each Ref releases what it holds at the end
+  }
+  set_attr(head.p, nm.next_free, block.p);
+  set_attr(block.p, nm.prev_free, head.p);
+  Ref left(PyLong_FromLongLong(num_free - n));
+  set_attr(queue.p, nm.num_free_blocks, left.p);
+  if (evicted) {
+    Ref total(PyLong_FromLongLong(attr_int(pool, nm.num_evictions) + evicted));
+    set_attr(pool, nm.num_evictions, total.p);
+  }
+  return true;
+}
+
 // Returns (index of the first running request left to Python, token budget left).
 py::tuple schedule_running(py::list running, py::object in_flight, long long token_budget,
                            long long threshold, long long max_len_1, py::object kv,
@@ -389,8 +457,9 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
                            long long block_size, bool enable_caching, py::object block_pool,
                            py::list scheduled_running, py::list running_new_blocks,
                            py::dict num_scheduled_tokens) {
-  const Names& nm = names();
+  Names& nm = names();
   PyObject* in_flight_set = in_flight.is_none() ? nullptr : in_flight.ptr();
+  long long kv_max_len = -1;  // read when first needed
   Py_ssize_t idx = 0;
   for (; idx < PyList_GET_SIZE(running.ptr()) && token_budget > 0; ++idx) {
     PyObject* req = PyList_GET_ITEM(running.ptr(), idx);
@@ -416,8 +485,16 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
     const long long end = computed + num_new;
     Ref new_ids_ref(Py_None);  // the new block ids, or None
     Py_INCREF(Py_None);
-    if (blocks != nullptr && PyList_Check(blocks) &&
-        end <= static_cast<long long>(PyList_GET_SIZE(blocks)) * block_size) {
+    if (blocks != nullptr && PyList_Check(blocks)) {
+      if (end > static_cast<long long>(PyList_GET_SIZE(blocks)) * block_size) {
+        if (kv_max_len < 0) kv_max_len = attr_int(kv.ptr(), nm.max_model_len);
+        Ref ids(PyList_New(0));
+        if (!grow_blocks(blocks, end < kv_max_len ? end : kv_max_len, block_size,
+                         block_pool.ptr(), ids.p)) {
+          break;  // no room: preemption is Python's
+        }
+        if (PyList_GET_SIZE(ids.p) > 0) std::swap(new_ids_ref.p, ids.p);
+      }
       if (enable_caching) {
         const long long num_full = (end < num_tokens ? end : num_tokens) / block_size;
         PyObject* done_obj = PyDict_GetItemWithError(num_cached_blocks.ptr(), rid.p);
@@ -438,7 +515,7 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
       }
     } else {
       Ref n(PyLong_FromLongLong(num_new));
-      Ref got(PyObject_CallMethodObjArgs(kv.ptr(), nm.allocate_slots, req, n.p, nullptr));
+      Ref got(PyObject_CallMethodObjArgs(kv.ptr(), nm.allocate_slots.name, req, n.p, nullptr));
       if (got.p == Py_None) break;  // no room: preemption is Python's
       const Py_ssize_t k = PyObject_Length(got.p);
       if (k < 0) throw py::error_already_set();
@@ -446,7 +523,7 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
         Ref ids(PyList_New(k));
         for (Py_ssize_t j = 0; j < k; ++j) {
           Ref b(PySequence_GetItem(got.p, j));
-          PyList_SET_ITEM(ids.p, j, PyObject_GetAttr(b.p, nm.block_id));
+          PyList_SET_ITEM(ids.p, j, PyObject_GetAttr(b.p, nm.block_id.name));
           if (PyList_GET_ITEM(ids.p, j) == nullptr) throw py::error_already_set();
         }
         Py_INCREF(ids.p);
@@ -469,7 +546,7 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
 // step, whether any has a grammar) of the scheduled running requests, whose
 // num_computed_tokens then count this step's tokens.
 py::tuple finish_running(py::list scheduled_running, py::dict num_scheduled_tokens) {
-  const Names& nm = names();
+  Names& nm = names();
   const Py_ssize_t n = PyList_GET_SIZE(scheduled_running.ptr());
   py::list ids(n), computed(n);
   bool any_grammar = false;

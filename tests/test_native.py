@@ -105,7 +105,9 @@ def schedule_and_tokens(**kw):
 
     def spy():
         so = real_schedule()
-        trace.append(dict(so.num_scheduled_tokens))
+        # What the runner is told: tokens per request and the blocks each got.
+        trace.append((dict(so.num_scheduled_tokens), so.scheduled_cached_reqs.new_block_ids,
+                      [r.block_ids for r in so.scheduled_new_reqs]))
         return so
 
     eng.scheduler.schedule = spy
@@ -114,8 +116,11 @@ def schedule_and_tokens(**kw):
             for o in outs.outputs:
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     # The prefix cache at the end: every block hash registered, prompt and decode.
-    cached = sorted(eng.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
-    return trace, tokens, eng.scheduler.num_preempted_total, cached
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    cached = sorted(pool.cached_block_hash_to_block)
+    free_order = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return (trace, tokens, eng.scheduler.num_preempted_total, cached, free_order,
+            pool.num_evictions)
 
 
 @pytest.mark.parametrize("batches", [1, 2])
@@ -131,6 +136,7 @@ def test_whole_engine_runs_identical_on_both_paths(batches):
     assert runs["native"] == runs["python"]
     assert runs["native"][2] > 0  # the run did preempt
     assert len(runs["native"][3]) > 30  # decode blocks were hashed and cached
+    assert runs["native"][5] > 0  # cached blocks were evicted for reuse
 
 
 def test_gil_is_free_while_the_engine_waits_on_the_model(hot_path):
