@@ -6,12 +6,20 @@ one token each), each path as update_from_output and the output thread run it:
 * native: two column appends per request (ColumnarOutputs), msgpack written by
   csrc/output_encoder.cpp into a reused buffer. Same bytes (tests/test_output_encoder.py).
 
+The native build above is a Python loop standing in for the two C++ appends
+of ``update_decodes``, so it overstates the native cost. ``update_and_encode``
+measures what the process engine really runs after the model returns: all of
+``update_from_output`` (append, hash extension, stop checks, and the outputs:
+objects on the Python path, columns on the native one) plus the encoding.
+
 Run: pytest bench/bench_outputs.py --benchmark-group-by=group
 """
 
 from __future__ import annotations
 
 import pytest
+
+from bench_engine_core import decoding_engine
 
 from enginecore import _native
 from enginecore.protocol import EngineCoreOutput, EngineCoreOutputs
@@ -73,3 +81,28 @@ def test_encode_outputs(benchmark, path, batch):
     assert _native.native_available() == (path == "native")
     size = benchmark(step)
     assert size > 20 * batch
+
+
+@pytest.mark.parametrize("batch", [64, 256])
+def test_update_and_encode(benchmark, path, batch):
+    benchmark.group = f"update_and_encode[{batch} decodes]"
+    eng = decoding_engine(batch)
+    scheduler = eng.scheduler
+    scheduler.columnar_outputs = path == "native"  # as EngineCoreProc sets it
+    encoder = OutputEncoder()
+
+    def next_step():  # schedule + model, not timed
+        so = scheduler.schedule()
+        return (so, eng._execute(so)), {}
+
+    def update_and_encode(so, mo) -> int:
+        n = 0
+        for outs in scheduler.update_from_output(so, mo).values():
+            buf = encoder.encode(outs)
+            n += len(buf)
+            encoder.release(buf)
+        return n
+
+    size = benchmark.pedantic(update_and_encode, setup=next_step, rounds=3000,
+                              warmup_rounds=100)
+    assert size > 10 * batch  # every request has its output in the bytes
