@@ -10,6 +10,7 @@ void bind_blocking_queue(py::module_& m);
 void bind_output_encoder(py::module_& m);
 void bind_scheduler_update(py::module_& m);
 void bind_synthetic_sampler(py::module_& m);
+void bind_zmq_send(py::module_& m);
 }  // namespace enginecore
 
 #ifndef ENGINECORE_VERSION
@@ -25,4 +26,5 @@ PYBIND11_MODULE(_C, m) {
   enginecore::bind_output_encoder(m);
   enginecore::bind_scheduler_update(m);
   enginecore::bind_synthetic_sampler(m);
+  enginecore::bind_zmq_send(m);
 }

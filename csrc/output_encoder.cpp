@@ -16,6 +16,8 @@
 #include <cstring>
 #include <string>
 
+#include "output_encoder.h"
+
 namespace py = pybind11;
 
 namespace enginecore {
@@ -122,15 +124,15 @@ long long as_int(PyObject* o, const char* what) {
   return v;
 }
 
-// Encode into ``buf`` (resized; BufferError while a zmq frame still holds it).
-void encode_columnar(long long engine_index, py::list request_ids, py::list new_token_ids,
-                     py::list specials, py::object stats_raw, double timestamp,
-                     py::bytearray buf) {
+}  // namespace
+
+void write_columnar(std::string& out, long long engine_index, py::list request_ids,
+                    py::list new_token_ids, py::list specials, py::object stats_raw,
+                    double timestamp) {
   const Py_ssize_t n = PyList_GET_SIZE(request_ids.ptr());
   if (PyList_GET_SIZE(new_token_ids.ptr()) != n) {
     throw py::value_error("request_ids and new_token_ids differ in length");
   }
-  thread_local std::string out;
   Writer w(out);
   w.reserve(64);
   w.byte(0x98);
@@ -173,11 +175,21 @@ void encode_columnar(long long engine_index, py::list request_ids, py::list new_
   w.reserve(13);
   w.float64(timestamp);
   w.nil(), w.nil(), w.nil(), w.nil();  // utility_output .. start_wave
-  const size_t size = w.size();
-  if (PyByteArray_Resize(buf.ptr(), static_cast<Py_ssize_t>(size)) != 0) {
+  out.resize(w.size());
+}
+
+namespace {
+
+// Encode into ``buf`` (resized; BufferError while a zmq frame still holds it).
+void encode_columnar(long long engine_index, py::list request_ids, py::list new_token_ids,
+                     py::list specials, py::object stats_raw, double timestamp,
+                     py::bytearray buf) {
+  thread_local std::string out;
+  write_columnar(out, engine_index, request_ids, new_token_ids, specials, stats_raw, timestamp);
+  if (PyByteArray_Resize(buf.ptr(), static_cast<Py_ssize_t>(out.size())) != 0) {
     throw py::error_already_set();
   }
-  std::memcpy(PyByteArray_AS_STRING(buf.ptr()), out.data(), size);
+  std::memcpy(PyByteArray_AS_STRING(buf.ptr()), out.data(), out.size());
 }
 
 }  // namespace

@@ -4,6 +4,10 @@ engine sending the same outputs on both paths."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -97,6 +101,78 @@ def test_native_encoder_rejects_bad_columns():
         ext.encode_columnar(0, [None], [None], [], None, 0.0, bytearray())
     with pytest.raises(ValueError, match="64 bits"):
         ext.encode_columnar(0, ["a"], [[2**64]], [], None, 0.0, bytearray())
+
+
+def columns_with_a_special() -> ColumnarOutputs:
+    col = ColumnarOutputs()
+    for i in range(300):
+        col.request_ids.append(f"cmpl-{i}")
+        col.new_token_ids.append([1000 + i])
+    col.append_output(EngineCoreOutput("done", [3], finish_reason=FinishReason.LENGTH))
+    col.scheduler_stats = SchedulerStats(num_running_reqs=300)
+    return col
+
+
+def test_native_send_uses_pyzmq_libzmq_and_sends_msgspec_bytes():
+    """_C.send_columnar: pyzmq's own libzmq (no second copy mapped), and the
+    bytes on the wire equal msgspec's encoding of the same outputs."""
+    import zmq
+
+    if _native._ext is None:
+        pytest.fail("the native extension is not built")
+    path = _native._ext.libzmq_path()
+    assert path is not None and "libzmq" in path
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split()[-1] for line in maps if "libzmq" in line}
+    assert len(mapped) == 1 and os.path.realpath(path) in {os.path.realpath(m) for m in mapped}
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        pull.bind("inproc://native-send")
+        push.connect("inproc://native-send")
+        col = columns_with_a_special()
+        for _ in range(3):  # the buffer is reused across sends
+            _native._ext.send_columnar(push.underlying, *OutputEncoder().columnar_args(col))
+            assert pull.recv() == msgspec.msgpack.encode(col.to_struct())
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def test_native_send_releases_the_gil_while_it_blocks():
+    """A PUSH socket with no peer blocks the send: another thread must run
+    Python meanwhile, and the message arrives once a peer connects."""
+    import zmq
+
+    if _native._ext is None:
+        pytest.fail("the native extension is not built")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.bind("inproc://blocked-send")
+    col = columns_with_a_special()
+    args = OutputEncoder().columnar_args(col)
+    sent = threading.Event()
+
+    def send():
+        _native._ext.send_columnar(push.underlying, *args)
+        sent.set()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        spins, deadline = 0, time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            spins += 1  # Python bytecode: needs the GIL the sender must not hold
+        assert not sent.is_set() and spins > 1000
+        pull = ctx.socket(zmq.PULL)
+        pull.connect("inproc://blocked-send")
+        assert pull.poll(5000) and pull.recv() == msgspec.msgpack.encode(col.to_struct())
+        assert sent.wait(5)
+        pull.close(linger=0)
+    finally:
+        push.close(linger=0)
+        ctx.term()
 
 
 def run_through_process(use_native: bool) -> list[list[tuple]]:

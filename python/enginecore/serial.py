@@ -1,7 +1,8 @@
 """msgpack encoding of engine outputs into buffers reused across steps.
 
 ``EngineCoreOutputs`` objects go through msgspec. ``ColumnarOutputs`` (the
-process engine's native path) go through ``_C.encode_columnar``, or, on the
+process engine's native path) go through ``_C.encode_columnar`` (or
+``_C.send_columnar``, which also sends them without the GIL), or, on the
 Python path, through msgspec after ``to_struct()``: the same bytes either way.
 """
 
@@ -48,12 +49,17 @@ class OutputEncoder:
         if ext is None:
             self._encoder.encode_into(outputs.to_struct(), buf)
             return
+        ext.encode_columnar(*self.columnar_args(outputs), buf)
+
+    def columnar_args(self, outputs: ColumnarOutputs) -> tuple:
+        """What ``_C.encode_columnar`` and ``_C.send_columnar`` take: the columns,
+        with the special outputs and the stats pre-encoded by msgspec."""
         enc = self._encoder.encode
         stats = outputs.scheduler_stats
         specials = outputs.specials
-        ext.encode_columnar(outputs.engine_index, outputs.request_ids, outputs.new_token_ids,
-                            [enc(o) for o in specials] if specials else specials,
-                            None if stats is None else enc(stats), outputs.timestamp, buf)
+        return (outputs.engine_index, outputs.request_ids, outputs.new_token_ids,
+                [enc(o) for o in specials] if specials else specials,
+                None if stats is None else enc(stats), outputs.timestamp)
 
     def release(self, buf: bytearray) -> None:
         self._free.append(buf)

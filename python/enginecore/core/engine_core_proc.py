@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
 from enginecore.config import EngineConfig
 from enginecore.core.engine_core import EngineCore
@@ -47,6 +48,7 @@ from enginecore.protocol import (
     engine_identity,
 )
 from enginecore.request import Request
+from enginecore.sched.columnar_outputs import ColumnarOutputs
 from enginecore.serial import OutputEncoder
 
 logger = logging.getLogger(__name__)
@@ -76,8 +78,6 @@ class EngineCoreProc(EngineCore):
         ``init`` (Ray: addresses known up front), start from it with no handshake."""
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
-        from enginecore import _native
-
         _native.set_native(config.use_native)  # before the queues pick their path
         # The busy loop blocks on the input queue when idle and the output thread on
         # the output queue: natively with the GIL released. (An earlier measurement
@@ -148,8 +148,6 @@ class EngineCoreProc(EngineCore):
 
     # -- IO threads ------------------------------------------------------------------------
     def _start_io_threads(self, init: HandshakeInit) -> None:
-        from enginecore import _native
-
         # Native path: step outputs stay columns and the output thread writes
         # msgpack from them in C++ (serial.py); the Python path builds objects.
         self.scheduler.columnar_outputs = _native.native_available()
@@ -265,6 +263,13 @@ class EngineCoreProc(EngineCore):
         encoder = OutputEncoder()
         in_flight: deque[tuple[zmq.MessageTracker, bytearray]] = deque()
         q = self.output_queue
+        # Native path: a step's columns are encoded into a reused buffer and sent
+        # on pyzmq's socket through the libzmq pyzmq loaded, without the GIL.
+        ext = _native.extension()
+        native_send = ext is not None and ext.libzmq_path() is not None
+        handles = [sock.underlying for sock in sockets]
+        logger.debug("output thread: step outputs sent by %s",
+                     "the native sender" if native_send else "pyzmq")
         while True:
             item = q.get()
             if item is _SHUTDOWN:
@@ -273,6 +278,9 @@ class EngineCoreProc(EngineCore):
             if outs is ENGINE_CORE_DEAD:
                 for sock in sockets:
                     sock.send(ENGINE_CORE_DEAD)
+                continue
+            if native_send and type(outs) is ColumnarOutputs:
+                ext.send_columnar(handles[client], *encoder.columnar_args(outs))
                 continue
             # Buffers zmq has finished sending go back to the encoder.
             while in_flight and in_flight[0][0].done:
