@@ -91,14 +91,23 @@ def test_make_blocking_queue_follows_the_switch(hot_path):
     assert isinstance(q, C.BlockingQueue) == (hot_path == "native")
 
 
-def schedule_and_tokens(**kw):
-    eng = synthetic_engine(block_size=4, max_num_batched_tokens=48, num_gpu_blocks_override=40,
-                           max_model_len=64, **kw)
+def default_requests():
+    reqs = []
     for i in range(30):
         req = make_request(f"r{i}", [i % 7 + 1] * (i % 9 + 2) + [i], max_tokens=5 + i % 13,
                            seed=i)
         if i % 3 == 0:  # salted: the decode-filled blocks hash with extra keys
             req.cache_salt = f"salt{i % 2}"
+        reqs.append(req)
+    return reqs
+
+
+def schedule_and_tokens(requests=None, **kw):
+    engine_args = dict(block_size=4, max_num_batched_tokens=48, num_gpu_blocks_override=40,
+                       max_model_len=64)
+    engine_args.update(kw)
+    eng = synthetic_engine(**engine_args)
+    for req in requests if requests is not None else default_requests():
         eng.add_request(req)
     trace, tokens = [], {}
     real_schedule = eng.scheduler.schedule
@@ -123,20 +132,60 @@ def schedule_and_tokens(**kw):
             pool.num_evictions)
 
 
-@pytest.mark.parametrize("batches", [1, 2])
-def test_whole_engine_runs_identical_on_both_paths(batches):
+def run_on_both_paths(make_requests, **kw):
     runs = {}
     for path in ("native", "python"):
         previous = _native._enabled
         _native.set_native(path == "native")
         try:
-            runs[path] = schedule_and_tokens(max_concurrent_batches=batches)
+            runs[path] = schedule_and_tokens(make_requests(), **kw)
         finally:
             _native._enabled = previous
+    return runs
+
+
+@pytest.mark.parametrize("batches", [1, 2])
+def test_whole_engine_runs_identical_on_both_paths(batches):
+    runs = run_on_both_paths(default_requests, max_concurrent_batches=batches)
     assert runs["native"] == runs["python"]
     assert runs["native"][2] > 0  # the run did preempt
     assert len(runs["native"][3]) > 30  # decode blocks were hashed and cached
     assert runs["native"][5] > 0  # cached blocks were evicted for reuse
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), caching=st.booleans(),
+       batches=st.sampled_from([1, 2]), num_blocks=st.integers(12, 80))
+def test_random_engine_runs_identical_on_both_paths(data, block_size, caching, batches,
+                                                    num_blocks):
+    """Random prompts sharing prefixes, salts, stop tokens and cache sizes: the
+    native loops (block growth, hash extension, full-block registration,
+    eviction, preemption hand-back) tell the runner and the client exactly what
+    the Python path does."""
+    max_model_len = max(32, block_size * 8)
+    prefix = data.draw(st.lists(st.integers(1, 60), min_size=0, max_size=20))
+    specs = data.draw(st.lists(st.tuples(
+        st.lists(st.integers(1, 60), min_size=1, max_size=12),  # prompt tail
+        st.integers(1, 20),  # max_tokens
+        st.none() | st.sampled_from(["a", "b"]),  # cache salt
+        st.lists(st.integers(1, 60), max_size=2),  # stop token ids
+    ), min_size=1, max_size=12))
+
+    def make_requests():
+        reqs = []
+        for i, (tail, max_tokens, salt, stops) in enumerate(specs):
+            req = make_request(f"q{i}", (prefix + tail)[: max_model_len - 1],
+                               max_tokens=max_tokens, seed=i, stop_token_ids=stops)
+            req.cache_salt = salt
+            reqs.append(req)
+        return reqs
+
+    runs = run_on_both_paths(
+        make_requests, block_size=block_size, num_gpu_blocks_override=num_blocks,
+        max_model_len=max_model_len, max_num_batched_tokens=max(48, max_model_len),
+        enable_prefix_caching=caching, max_concurrent_batches=batches,
+        synthetic_vocab_size=64)
+    assert runs["native"] == runs["python"]
 
 
 def test_gil_is_free_while_the_engine_waits_on_the_model(hot_path):
