@@ -19,23 +19,13 @@
 #include <string>
 
 #include "block_hash.h"
+#include "pyref.h"
 
 
 namespace py = pybind11;
 
 namespace enginecore {
 namespace {
-
-// Owned reference, released on scope exit.
-struct Ref {
-  PyObject* p;
-  explicit Ref(PyObject* o) : p(o) {
-    if (p == nullptr) throw py::error_already_set();
-  }
-  ~Ref() { Py_XDECREF(p); }
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
-};
 
 PyObject* intern(const char* s) {
   PyObject* o = PyUnicode_InternFromString(s);
@@ -156,9 +146,7 @@ PyObject* get(PyObject* o, Attr& a) {
 
 long long attr_int(PyObject* o, Attr& a) {
   Ref v(get(o, a));
-  const long long x = PyLong_AsLongLong(v.p);
-  if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return x;
+  return as_long(v.p);
 }
 
 Py_ssize_t attr_len(PyObject* o, Attr& a) {
@@ -502,8 +490,7 @@ py::tuple schedule_running(py::list running, py::object in_flight, long long tok
           if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rid.p);
           throw py::error_already_set();
         }
-        const long long done = PyLong_AsLongLong(done_obj);
-        if (done == -1 && PyErr_Occurred()) throw py::error_already_set();
+        const long long done = as_long(done_obj);
         if (num_full > done) {
           Ref hashes(get(req, nm.block_hashes));
           cache_full_blocks(block_pool.ptr(), blocks, hashes.p, done, num_full);

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "pyref.h"
+
 namespace py = pybind11;
 
 namespace enginecore {
@@ -20,17 +22,6 @@ uint64_t splitmix64(uint64_t seed, uint64_t position) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
   return z ^ (z >> 31);
-}
-
-long long as_ll(PyObject* o) {
-  const long long v = PyLong_AsLongLong(o);
-  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return v;
-}
-
-PyObject* checked(PyObject* o) {
-  if (o == nullptr) throw py::error_already_set();
-  return o;
 }
 
 // Returns (req_ids, req_id_to_index, sampled) as ModelRunnerOutput takes them.
@@ -52,8 +43,8 @@ py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
   while (PyDict_Next(scheduled.ptr(), &pos, &rid, &num)) {
     Py_INCREF(rid);
     PyList_SET_ITEM(req_ids.ptr(), i, rid);
-    py::object idx = py::reinterpret_steal<py::object>(checked(PyLong_FromSsize_t(i)));
-    if (PyDict_SetItem(index_of.ptr(), rid, idx.ptr()) != 0) throw py::error_already_set();
+    Ref idx(PyLong_FromSsize_t(i));
+    if (PyDict_SetItem(index_of.ptr(), rid, idx.p) != 0) throw py::error_already_set();
     PyObject* st = PyDict_GetItemWithError(state.ptr(), rid);
     if (st == nullptr) {
       if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rid);
@@ -83,9 +74,9 @@ py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
     if (drafts == nullptr && PyErr_Occurred()) throw py::error_already_set();
     const Py_ssize_t num_drafts = drafts ? PyObject_Length(drafts) : 0;
     if (num_drafts < 0) throw py::error_already_set();
-    const long long known = as_ll(PyList_GET_ITEM(st, 1));
-    if (as_ll(computed_obj) + as_ll(num) - num_drafts < known) {
-      PyList_SET_ITEM(sampled.ptr(), i, checked(PyList_New(0)));  // mid-prefill chunk
+    const long long known = as_long(PyList_GET_ITEM(st, 1));
+    if (as_long(computed_obj) + as_long(num) - num_drafts < known) {
+      PyList_SET_ITEM(sampled.ptr(), i, Ref(PyList_New(0)).release());  // mid-prefill chunk
       ++i;
       continue;
     }
@@ -93,23 +84,23 @@ py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
     if (PyErr_Occurred()) throw py::error_already_set();
     uint64_t p = static_cast<uint64_t>(known);
     uint64_t tok = splitmix64(seed, p) % vocab;
-    py::list tokens = py::reinterpret_steal<py::list>(checked(PyList_New(1)));
-    PyList_SET_ITEM(tokens.ptr(), 0, checked(PyLong_FromUnsignedLongLong(tok)));
+    Ref tokens(PyList_New(1));
+    PyList_SET_ITEM(tokens.p, 0, Ref(PyLong_FromUnsignedLongLong(tok)).release());
     for (Py_ssize_t d = 0; d < num_drafts; ++d) {
-      py::object draft = py::reinterpret_steal<py::object>(checked(PySequence_GetItem(drafts, d)));
+      Ref draft(PySequence_GetItem(drafts, d));
       int overflow = 0;
-      const long long dv = PyLong_AsLongLongAndOverflow(draft.ptr(), &overflow);
+      const long long dv = PyLong_AsLongLongAndOverflow(draft.p, &overflow);
       if (dv == -1 && PyErr_Occurred()) throw py::error_already_set();
       if (overflow || dv < 0 || static_cast<uint64_t>(dv) != tok) break;
       tok = splitmix64(seed, ++p) % vocab;
-      py::object t = py::reinterpret_steal<py::object>(checked(PyLong_FromUnsignedLongLong(tok)));
-      if (PyList_Append(tokens.ptr(), t.ptr()) != 0) throw py::error_already_set();
+      Ref t(PyLong_FromUnsignedLongLong(tok));
+      if (PyList_Append(tokens.p, t.p) != 0) throw py::error_already_set();
     }
-    const Py_ssize_t produced = PyList_GET_SIZE(tokens.ptr());
-    if (PyList_SetItem(st, 1, checked(PyLong_FromLongLong(known + produced))) != 0) {
+    const Py_ssize_t produced = PyList_GET_SIZE(tokens.p);
+    if (PyList_SetItem(st, 1, Ref(PyLong_FromLongLong(known + produced)).release()) != 0) {
       throw py::error_already_set();
     }
-    PyList_SET_ITEM(sampled.ptr(), i, tokens.release().ptr());
+    PyList_SET_ITEM(sampled.ptr(), i, tokens.release());
     ++i;
   }
   if (i != n) throw py::value_error("scheduled changed size during sampling");
