@@ -34,6 +34,14 @@ def ray_config(**kw):
 def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
     c = EngineCoreClient.make_client(True, False, ray_config(
         data_parallel_lockstep=lockstep, synthetic_step_latency_s=0.001))
+    alive_at_close = []
+    close_sockets = c._close_sockets
+
+    def recording_close():
+        alive_at_close.extend(t.name for t in (c._reader, c._remote_watch) if t.is_alive())
+        close_sockets()
+
+    c._close_sockets = recording_close
     try:
         assert len(c._ray.actors) == 2 and len(c._ray.placement_groups) == 2
         assert c.input_address.startswith("tcp://127.0.0.1:")
@@ -52,6 +60,10 @@ def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
         assert c.call_utility("get_request_counts") == (0, 0)
     finally:
         c.shutdown()
+    # The threads polling the client's sockets were gone before the context
+    # closed those sockets (closing a socket another thread polls is undefined
+    # in zmq; on the Ray path shutdown has no processes to wait for first).
+    assert alive_at_close == []
 
 
 def test_ray_tiny_real_model_dp2(tmp_path):

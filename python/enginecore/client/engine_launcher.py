@@ -228,7 +228,9 @@ class EngineLauncher:
                 del client
             monitor.close(linger=0)
 
-        threading.Thread(target=watch, daemon=True, name="enginecore-remote-watch").start()
+        self._remote_watch = threading.Thread(target=watch, daemon=True,
+                                              name="enginecore-remote-watch")
+        self._remote_watch.start()
 
     def _announce_dead(self, why: str) -> None:
         """An engine is gone: every front-end's output socket gets ENGINE_CORE_DEAD,

@@ -337,8 +337,21 @@ class MPClient(EngineLauncher, EngineCoreClient):
         if self.coordinator is not None:
             self.coordinator.join(timeout=5)
         self._dp_store = None
+        self._join_socket_threads()
         self._close_sockets()
         self._addresses.cleanup()
+
+    def _join_socket_threads(self) -> None:
+        """The threads that poll this context's sockets (output reader, remote-rank
+        watch) see ``_closed`` within 200 ms; the context may only close their
+        sockets after they are gone: zmq sockets are not thread-safe, and closing
+        one another thread is polling crashed the process (a segfault in CI, on
+        the Ray path, where shutdown has no processes to wait for first)."""
+        for thread in (getattr(self, "_reader", None), getattr(self, "_remote_watch", None)):
+            if isinstance(thread, threading.Thread) and thread is not threading.current_thread():
+                thread.join(timeout=2)
+                if thread.is_alive():
+                    logger.warning("%s did not stop; closing its sockets anyway", thread.name)
 
     def _close_sockets(self) -> None:
         self.ctx.destroy(linger=0)
