@@ -49,6 +49,16 @@ def drain_by_rank(client, n=N) -> tuple[dict[str, list[int]], list[int]]:
     return got, served
 
 
+def kill_and_expect_dead(client, pid: int, get_timeout: float = 5) -> None:
+    """SIGKILL one rank: the client says EngineDeadError within 5 s."""
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        while True:
+            client.get_output(timeout=get_timeout)
+    assert time.monotonic() - t0 < 5
+
+
 def config(dp=2, **kw):
     return EngineArgs(model="synthetic", block_size=4, data_parallel_size=dp,
                       **kw).create_engine_config()
@@ -102,12 +112,7 @@ def test_killing_one_rank_is_engine_dead_fast_and_nothing_hangs():
             c.add_request(EngineCoreRequest(f"k{i}", [1, i], SamplingParams(max_tokens=10**4,
                                                                             ignore_eos=True)))
         c.get_output(timeout=10)
-        os.kill(c.procs[1].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(EngineDeadError):
-            while True:
-                c.get_output(timeout=5)
-        assert time.monotonic() - t0 < 5
+        kill_and_expect_dead(c, c.procs[1].pid)
     finally:
         c.shutdown()
     assert not any(p.is_alive() for p in c.procs)
@@ -274,12 +279,7 @@ def test_headless_rank_death_and_front_end_death_are_noticed():
                 c.add_request(EngineCoreRequest(f"h{i}", [1, i], SamplingParams(
                     max_tokens=10**4, ignore_eos=True)))
             c.get_output(timeout=10)
-            os.kill(child_pids(headless.pid)[0], signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(EngineDeadError):
-                while True:
-                    c.get_output(timeout=10)
-            assert time.monotonic() - t0 < 5
+            kill_and_expect_dead(c, child_pids(headless.pid)[0], get_timeout=10)
         finally:
             c.shutdown()
     finally:
