@@ -264,12 +264,27 @@ void cache_full_blocks(PyObject* block_pool, PyObject* blocks, PyObject* hashes,
   }
 }
 
+// The message of the exception being handled, "Type: message" (GIL held).
+std::string describe(py::error_already_set& e) {
+  std::string type = py::str(e.type().attr("__name__"));
+  std::string value = py::str(e.value());
+  return type + ": " + value;
+}
+
+// One request's update (the loop body of update_decodes).
+void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index_of,
+                PyObject* sampled, PyObject* req_ids, Py_ssize_t num_answered,
+                PyObject* in_flight_set, long long max_model_len, PyObject* running,
+                PyObject* length, PyObject* stopped, PyObject* output_type,
+                PyObject* columnar_type, bool columnar, PyObject* outputs, PyObject* cols,
+                PyObject* stopped_list, PyObject* emit_finished, PyObject* update_request,
+                PyObject*& last, PyObject*& col_ids, PyObject*& col_toks);
+
 void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py::list req_ids,
                     py::dict index_of,
                     py::object in_flight, long long max_model_len, py::tuple statuses,
                     py::dict outputs, py::object cols, py::list stopped_list, py::tuple types,
-                    py::object emit_finished, py::object update_request) {
-  Names& nm = names();
+                    py::object emit_finished, py::object update_request, py::list failed) {
   PyObject* running = statuses[0].ptr();
   PyObject* length = statuses[1].ptr();
   PyObject* stopped = statuses[2].ptr();
@@ -291,99 +306,126 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
   // scheduled request, and its index needs no dict lookup.
   const Py_ssize_t num_answered = PyList_GET_SIZE(req_ids.ptr());
   for (Py_ssize_t k = 0; PyDict_Next(scheduled.ptr(), &pos, &rid, &value); ++k) {
-    if (in_flight_set != nullptr && PySet_Discard(in_flight_set, rid) < 0) {
-      throw py::error_already_set();
+    // One request that makes this loop raise fails alone: it is handed back
+    // (id, "Type: message") and the scheduler ends it with ERROR.
+    try {
+      update_one(rid, k, requests.ptr(), index_of.ptr(), sampled.ptr(), req_ids.ptr(),
+                 num_answered, in_flight_set, max_model_len, running, length, stopped,
+                 output_type, columnar_type, columnar, outputs.ptr(), cols.ptr(),
+                 stopped_list.ptr(), emit_finished.ptr(), update_request.ptr(), last.p, col_ids,
+                 col_toks);
+    } catch (py::error_already_set& e) {
+      failed.append(py::make_tuple(py::handle(rid), describe(e)));
+      Py_XDECREF(last.p);  // the column cursor may be half set: start afresh
+      last.p = nullptr;
+    } catch (const std::exception& e) {
+      failed.append(py::make_tuple(py::handle(rid), std::string("RuntimeError: ") + e.what()));
+      Py_XDECREF(last.p);
+      last.p = nullptr;
     }
-    PyObject* req = PyDict_GetItemWithError(requests.ptr(), rid);  // borrowed
-    if (req == nullptr) {
+  }
+}
+
+void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index_of,
+                PyObject* sampled, PyObject* req_ids, Py_ssize_t num_answered,
+                PyObject* in_flight_set, long long max_model_len, PyObject* running,
+                PyObject* length, PyObject* stopped, PyObject* output_type,
+                PyObject* columnar_type, bool columnar, PyObject* outputs, PyObject* cols,
+                PyObject* stopped_list, PyObject* emit_finished, PyObject* update_request,
+                PyObject*& last, PyObject*& col_ids, PyObject*& col_toks) {
+  Names& nm = names();
+  if (in_flight_set != nullptr && PySet_Discard(in_flight_set, rid) < 0) {
+    throw py::error_already_set();
+  }
+  PyObject* req = PyDict_GetItemWithError(requests, rid);  // borrowed
+  if (req == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return;
+  }
+  Py_INCREF(req);
+  Ref req_ref(req);
+  {
+    Ref status(get(req, nm.status));
+    const int ne = PyObject_RichCompareBool(status.p, running, Py_NE);
+    if (ne < 0) throw py::error_already_set();
+    if (ne) return;  // aborted or preempted while its batch ran
+  }
+  Py_ssize_t i = k;
+  if (k >= num_answered || PyList_GET_ITEM(req_ids, k) != rid) {
+    PyObject* idx = PyDict_GetItemWithError(index_of, rid);
+    if (idx == nullptr) {
       if (PyErr_Occurred()) throw py::error_already_set();
-      continue;
+      return;  // nothing sampled
     }
-    Py_INCREF(req);
-    Ref req_ref(req);
-    {
-      Ref status(get(req, nm.status));
-      const int ne = PyObject_RichCompareBool(status.p, running, Py_NE);
-      if (ne < 0) throw py::error_already_set();
-      if (ne) continue;  // aborted or preempted while its batch ran
+    i = PyLong_AsSsize_t(idx);
+    if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  if (i < 0 || i >= PyList_GET_SIZE(sampled)) throw py::index_error("sampled index");
+  PyObject* toks = PyList_GET_ITEM(sampled, i);  // borrowed
+  if (!PyList_Check(toks)) throw py::type_error("sampled token ids must be lists");
+  const Py_ssize_t n_new = PyList_GET_SIZE(toks);
+  if (n_new == 0) return;  // a prefill chunk: nothing sampled
+  Ref grammar(get(req, nm.grammar));
+  if (n_new != 1 || grammar.p != Py_None) {
+    Ref r(PyObject_CallFunctionObjArgs(update_request, req, rid, toks, Py_None,
+                                       outputs, columnar ? cols : Py_None,
+                                       stopped_list, nullptr));
+    return;
+  }
+  PyObject* tok = PyList_GET_ITEM(toks, 0);
+  // Request.append_output_token_ids
+  Ref out_ids(get(req, nm.output_token_ids));
+  Ref all_ids(get(req, nm.all_token_ids));
+  append(out_ids.p, tok);
+  append(all_ids.p, tok);
+  const Py_ssize_t n_out = PyList_GET_SIZE(out_ids.p);
+  const Py_ssize_t n_all = PyList_GET_SIZE(all_ids.p);
+  extend_block_hashes(req, all_ids.p, n_all);
+  if (check_stop(req, tok, n_out, n_all, max_model_len, length, stopped)) {
+    append(stopped_list, req);
+    Ref r(PyObject_CallFunctionObjArgs(emit_finished, req, rid, toks, outputs,
+                                       columnar ? cols : Py_None, nullptr));
+    return;
+  }
+  Ref client(get(req, nm.client_index));
+  if (columnar) {
+    int same = 0;
+    if (last != nullptr) {
+      same = PyObject_RichCompareBool(client.p, last, Py_EQ);
+      if (same < 0) throw py::error_already_set();
     }
-    Py_ssize_t i = k;
-    if (k >= num_answered || PyList_GET_ITEM(req_ids.ptr(), k) != rid) {
-      PyObject* idx = PyDict_GetItemWithError(index_of.ptr(), rid);
-      if (idx == nullptr) {
+    if (!same) {
+      PyObject* col = PyDict_GetItemWithError(cols, client.p);  // borrowed
+      if (col == nullptr) {
         if (PyErr_Occurred()) throw py::error_already_set();
-        continue;  // nothing sampled
+        Ref fresh(PyObject_CallNoArgs(columnar_type));
+        if (PyDict_SetItem(cols, client.p, fresh.p) != 0) throw py::error_already_set();
+        col = fresh.p;  // cols holds it now
       }
-      i = PyLong_AsSsize_t(idx);
-      if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
+      Ref ids(get(col, nm.request_ids));
+      Ref tks(get(col, nm.new_token_ids));
+      col_ids = ids.p;  // the column lists live as long as their ColumnarOutputs
+      col_toks = tks.p;
+      Py_XDECREF(last);
+      last = client.p;
+      Py_INCREF(last);
     }
-    if (i < 0 || i >= PyList_GET_SIZE(sampled.ptr())) throw py::index_error("sampled index");
-    PyObject* toks = PyList_GET_ITEM(sampled.ptr(), i);  // borrowed
-    if (!PyList_Check(toks)) throw py::type_error("sampled token ids must be lists");
-    const Py_ssize_t n_new = PyList_GET_SIZE(toks);
-    if (n_new == 0) continue;  // a prefill chunk: nothing sampled
-    Ref grammar(get(req, nm.grammar));
-    if (n_new != 1 || grammar.p != Py_None) {
-      Ref r(PyObject_CallFunctionObjArgs(update_request.ptr(), req, rid, toks, Py_None,
-                                         outputs.ptr(), columnar ? cols.ptr() : Py_None,
-                                         stopped_list.ptr(), nullptr));
-      continue;
-    }
-    PyObject* tok = PyList_GET_ITEM(toks, 0);
-    // Request.append_output_token_ids
-    Ref out_ids(get(req, nm.output_token_ids));
-    Ref all_ids(get(req, nm.all_token_ids));
-    append(out_ids.p, tok);
-    append(all_ids.p, tok);
-    const Py_ssize_t n_out = PyList_GET_SIZE(out_ids.p);
-    const Py_ssize_t n_all = PyList_GET_SIZE(all_ids.p);
-    extend_block_hashes(req, all_ids.p, n_all);
-    if (check_stop(req, tok, n_out, n_all, max_model_len, length, stopped)) {
-      append(stopped_list.ptr(), req);
-      Ref r(PyObject_CallFunctionObjArgs(emit_finished.ptr(), req, rid, toks, outputs.ptr(),
-                                         columnar ? cols.ptr() : Py_None, nullptr));
-      continue;
-    }
-    Ref client(get(req, nm.client_index));
-    if (columnar) {
-      int same = 0;
-      if (last.p != nullptr) {
-        same = PyObject_RichCompareBool(client.p, last.p, Py_EQ);
-        if (same < 0) throw py::error_already_set();
-      }
-      if (!same) {
-        PyObject* col = PyDict_GetItemWithError(cols.ptr(), client.p);  // borrowed
-        if (col == nullptr) {
-          if (PyErr_Occurred()) throw py::error_already_set();
-          Ref fresh(PyObject_CallNoArgs(columnar_type));
-          if (PyDict_SetItem(cols.ptr(), client.p, fresh.p) != 0) throw py::error_already_set();
-          col = fresh.p;  // cols holds it now
-        }
-        Ref ids(get(col, nm.request_ids));
-        Ref tks(get(col, nm.new_token_ids));
-        col_ids = ids.p;  // the column lists live as long as their ColumnarOutputs
-        col_toks = tks.p;
-        Py_XDECREF(last.p);
-        last.p = client.p;
-        Py_INCREF(last.p);
-      }
-      append(col_ids, rid);
-      append(col_toks, toks);
-      continue;
-    }
-    // EngineCoreOutput(rid, toks, None), then Scheduler._emit.
-    PyObject* args[3] = {rid, toks, Py_None};
-    Ref out(PyObject_Vectorcall(output_type, args, 3, nullptr));
-    PyObject* lst = PyDict_GetItemWithError(outputs.ptr(), client.p);
-    if (lst == nullptr) {
-      if (PyErr_Occurred()) throw py::error_already_set();
-      Ref fresh(PyList_New(1));
-      Py_INCREF(out.p);
-      PyList_SET_ITEM(fresh.p, 0, out.p);
-      if (PyDict_SetItem(outputs.ptr(), client.p, fresh.p) != 0) throw py::error_already_set();
-    } else {
-      append(lst, out.p);
-    }
+    append(col_ids, rid);
+    append(col_toks, toks);
+    return;
+  }
+  // EngineCoreOutput(rid, toks, None), then Scheduler._emit.
+  PyObject* args[3] = {rid, toks, Py_None};
+  Ref out(PyObject_Vectorcall(output_type, args, 3, nullptr));
+  PyObject* lst = PyDict_GetItemWithError(outputs, client.p);
+  if (lst == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    Ref fresh(PyList_New(1));
+    Py_INCREF(out.p);
+    PyList_SET_ITEM(fresh.p, 0, out.p);
+    if (PyDict_SetItem(outputs, client.p, fresh.p) != 0) throw py::error_already_set();
+  } else {
+    append(lst, out.p);
   }
 }
 

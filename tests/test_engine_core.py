@@ -169,8 +169,12 @@ def test_sleep_preempts_and_requests_wait_until_wake(hot_path):
 
 
 def test_executor_failure_logs_scheduler_state_then_raises(caplog):
+    """An executor that fails even for a dummy batch (a lost device) is fatal."""
     class Broken(SyntheticExecutor):
         def execute_model(self, so, non_block=False):
+            raise RuntimeError("device fell over")
+
+        def execute_dummy_batch(self):
             raise RuntimeError("device fell over")
 
     cfg = EngineArgs(model="synthetic").create_engine_config()

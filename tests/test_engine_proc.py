@@ -135,10 +135,10 @@ def test_utility_calls_values_failures_and_allow_list(client):
         client.call_utility("__init__")
     # Straight at the engine, bypassing the client's own check: refused there too.
     payload = msgspec.msgpack.encode(UtilityRequest(0, 777, "run_busy_loop", []))
+    fut = __import__("concurrent.futures").futures.Future()
+    client._pending[777] = ["echo", fut, 1, None, None, 0]  # before the reply can arrive
     client.input_socket.send_multipart([client.identity, EngineCoreRequestType.UTILITY.value,
                                         payload])
-    fut = __import__("concurrent.futures").futures.Future()
-    client._pending[777] = ["echo", fut, 1, None, None, 0]
     with pytest.raises(RuntimeError, match="not allowed"):
         fut.result(timeout=10)
     client.add_request(requests(1)[0])

@@ -51,7 +51,7 @@ stats = st.none() | st.builds(SchedulerStats, num_running_reqs=st.integers(0, 99
 
 
 @settings(max_examples=300, deadline=None)
-@given(rows=rows, stats=stats, engine_index=st.integers(0, 70000),
+@given(rows=rows, stats=stats, engine_index=st.integers(0, 0xFFFF),  # 2-byte identities
        timestamp=st.floats(allow_nan=False).filter(bool))  # 0.0 means "now" to the struct
 def test_native_columnar_bytes_equal_msgspec(rows, stats, engine_index, timestamp):
     if _native._ext is None:

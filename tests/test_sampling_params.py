@@ -2,6 +2,8 @@ import msgspec
 import pytest
 
 from enginecore import SamplingParams
+from enginecore.bounds import name_fields
+from enginecore.protocol import decode_request
 
 
 @pytest.mark.parametrize(
@@ -44,5 +46,9 @@ def test_wire_round_trip_and_decode_validation():
     # array_like: fields travel positionally, a fixed-length array.
     assert msgspec.msgpack.decode(raw)[0] == 7
     bad = msgspec.msgpack.encode([0])  # max_tokens=0
-    with pytest.raises(msgspec.ValidationError, match="max_tokens"):
+    with pytest.raises(msgspec.ValidationError, match=r">= 1 - at `\$\[0\]`") as err:
         msgspec.msgpack.decode(bad, type=SamplingParams)
+    # The engine's decode names the field (array-like structs report positions).
+    assert name_fields(err.value, SamplingParams).startswith("SamplingParams.max_tokens:")
+    with pytest.raises(ValueError, match=r"sampling_params\.max_tokens: Expected `int` >= 1"):
+        decode_request(msgspec.msgpack.encode(["r", [1], [0]]))

@@ -126,6 +126,35 @@ class LoRAConfig:
 
 
 @dataclass
+class TransportConfig:
+    """The links between front-ends and engines (docs/protocol.md)."""
+
+    # ZMTP heartbeats, on TCP links only: a local (IPC) peer that dies closes its
+    # connection at once, and a stalled one (SIGSTOP, swap, a long GC) must not
+    # count as dead. Remote: a peer silent for heartbeat_timeout_s is gone.
+    heartbeat_interval_s: float = 5.0
+    heartbeat_timeout_s: float = 60.0
+    # ZMQ_MAXMSGSIZE on every socket; the client refuses a larger request itself.
+    max_message_bytes: int = 64 << 20
+    # CurveZMQ on TCP links (None: on when libzmq has CURVE, else an error).
+    curve: bool | None = None
+    # Headless ranks: where the front-end writes the ranks' keys (0600) and the
+    # ranks read them (default: under the cache dir, named by the RPC port).
+    curve_key_file: str | None = None
+    # The keys of this launch (transport.CurveKeys), handed to the engines the
+    # front-end starts inside their config: out of band, never over a socket.
+    curve_keys: Any = None
+
+
+@dataclass
+class StructuredOutputsConfig:
+    # CPU time one request's token mask may take in a step (and its first mask, at
+    # compile time, off the busy loop); a constraint that needs more is that
+    # request's ERROR, so one pathological regex cannot slow every request.
+    mask_budget_ms: float = 10.0
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -137,6 +166,9 @@ class EngineConfig:
     log_iteration_details: bool = False
     speculative_config: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     lora_config: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    transport_config: TransportConfig = dataclasses.field(default_factory=TransportConfig)
+    structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
+        default_factory=StructuredOutputsConfig)
 
 
 @dataclass
@@ -190,6 +222,12 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    heartbeat_interval_s: float = 5.0
+    heartbeat_timeout_s: float = 60.0
+    zmq_max_message_bytes: int = 64 << 20
+    zmq_curve: bool | None = None
+    zmq_curve_key_file: str | None = None
+    structured_outputs_mask_budget_ms: float = 10.0
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -263,6 +301,13 @@ class EngineArgs:
                 prompt_lookup_max=self.prompt_lookup_max,
             ),
             lora_config=LoRAConfig(self.enable_lora, self.max_loras, self.max_lora_rank),
+            transport_config=TransportConfig(
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s,
+                max_message_bytes=self.zmq_max_message_bytes,
+                curve=self.zmq_curve, curve_key_file=self.zmq_curve_key_file),
+            structured_outputs_config=StructuredOutputsConfig(
+                self.structured_outputs_mask_budget_ms),
         )
 
     def _validate(self) -> None:
@@ -319,6 +364,13 @@ class EngineArgs:
             raise bad("max_loras", "in [1, 64]")
         if not 1 <= self.max_lora_rank <= 512:
             raise bad("max_lora_rank", "in [1, 512]")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise bad("heartbeat_interval_s", f"> 0 and < heartbeat_timeout_s "
+                                              f"({self.heartbeat_timeout_s})")
+        if not 1024 <= self.zmq_max_message_bytes <= 2**62:
+            raise bad("zmq_max_message_bytes", "in [1024, 2**62]")
+        if not self.structured_outputs_mask_budget_ms > 0:
+            raise bad("structured_outputs_mask_budget_ms", "> 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"in [1, prompt_lookup_max={self.prompt_lookup_max}]")
 
@@ -387,6 +439,8 @@ __all__ = [
     "LoRAConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredOutputsConfig",
+    "TransportConfig",
     "SYNTHETIC_MODEL",
     "default_cache_dir",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from enginecore.bounds import Index16, Int64, NonNegInt64, PositiveInt64, finite, name_fields
 from enginecore.sampling_params import SamplingParams
 
 
@@ -42,7 +43,7 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     """An adapter a request runs with; ``lora_int_id`` is part of the block hash."""
 
     lora_name: str
-    lora_int_id: int
+    lora_int_id: PositiveInt64
     lora_path: str = ""
 
 
@@ -53,22 +54,67 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True):  # typ
     normalize: bool | None = None
 
 
+Timestamp = finite()
+
+
 class EngineCoreRequest(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 ):  # type: ignore[call-arg]
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[Int64]
     sampling_params: SamplingParams | None = None
-    arrival_time: float = 0.0
+    arrival_time: Timestamp = 0.0
     lora_request: LoRARequest | None = None
     cache_salt: str | None = None
-    data_parallel_rank: int | None = None
-    # Index of the front-end that sent it: outputs are routed back by it.
-    client_index: int = 0
+    data_parallel_rank: Index16 | None = None
+    # Index of the front-end that sent it. The engine routes outputs back by the
+    # connection the request came in on (and sets this to match).
+    client_index: Index16 = 0
     # DP wave the front-end believed current when it sent the request.
-    current_wave: int = 0
-    priority: int = 0
+    current_wave: NonNegInt64 = 0
+    priority: Int64 = 0
     pooling_params: PoolingParams | None = None
+
+
+class _RequestIdOnly(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """The first field of an ADD (array-like structs ignore trailing items): the id
+    of a request that does not decode, so its sender can be answered."""
+
+    request_id: str
+
+
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_request_id_decoder = msgspec.msgpack.Decoder(_RequestIdOnly)
+
+
+def decode_request(payload: bytes | memoryview) -> EngineCoreRequest:
+    """An ADD payload as the engine decodes it; ``ValueError`` naming the bad field
+    (types and the numeric bounds of enginecore.bounds included)."""
+    try:
+        return _request_decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed request: {name_fields(e, EngineCoreRequest)}") from None
+
+
+def encode_request(encoder: msgspec.msgpack.Encoder, request: EngineCoreRequest) -> bytes:
+    """The ADD payload of ``request``, checked by decoding it as the engine will:
+    whatever the engine would refuse (a float or bool token id, a SamplingParams
+    field changed after construction, a schema dict with non-str keys) raises
+    ``ValueError`` here, before anything is sent."""
+    try:
+        payload = encoder.encode(request)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"request {request.request_id!r} cannot be sent: {e}") from None
+    decode_request(payload)
+    return payload
+
+
+def readable_request_id(payload: bytes | memoryview) -> str | None:
+    """The request id of an ADD payload that does not decode, if it can be read."""
+    try:
+        return _request_id_decoder.decode(payload).request_id
+    except msgspec.DecodeError:
+        return None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -149,7 +195,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
 class EngineCoreOutputs(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 ):  # type: ignore[call-arg]
-    engine_index: int = 0
+    engine_index: Index16 = 0
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
@@ -167,10 +213,6 @@ class EngineCoreOutputs(
 # Sent by the engine as the whole payload when it dies, on every output socket.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
-# ZMTP heartbeats on engine <-> front-end request connections: a peer that
-# vanishes (kill -9 on another node) drops the connection within seconds.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000
 
 
 # -- start-up handshake (engine DEALER <-> front-end ROUTER) -----------------------------
@@ -221,8 +263,8 @@ HandshakeMessage = HandshakeHello | HandshakeInit | HandshakeReady | HandshakeFa
 class UtilityRequest(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
     """Front-end -> engine: call an allow-listed EngineCore method."""
 
-    client_index: int
-    call_id: int
+    client_index: Index16
+    call_id: Int64
     method: str
     args: list[Any] = []
 

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import msgspec
 
-_MAX_SEED = 2**63 - 1
+from enginecore.bounds import Int64, NonNegInt64, PositiveInt64, check_bounds, finite
+
+# Below this temperature a request samples greedily (dividing logits by a tiny
+# temperature overflows float32: NaN logits, token 0 forever). vLLM's _SAMPLING_EPS.
+TEMPERATURE_FLOOR = 1e-5
+
+# The bounds of each numeric field (msgspec enforces them on decode, check_bounds
+# on construction): docs/protocol.md lists them.
+Temperature = finite(ge=0.0)
+Probability = finite(ge=0.0, le=1.0)
+TopP = finite(gt=0.0, le=1.0)
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Penalty = finite(ge=-2.0, le=2.0)
+RepetitionPenalty = finite(gt=0.0, le=10.0)
 
 
 class StructuredOutputsParams(
@@ -17,7 +33,7 @@ class StructuredOutputsParams(
     GBNF/EBNF grammar. Compiled with llguidance off the busy loop.
     """
 
-    json: str | dict | None = None
+    json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -29,6 +45,20 @@ class StructuredOutputsParams(
                              f"grammar; got {given or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("StructuredOutputsParams.choice must not be empty")
+        for name, types in (("regex", str), ("grammar", str), ("json", (str, dict))):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                raise ValueError(f"StructuredOutputsParams.{name} must be "
+                                 f"{'text or a dict' if name == 'json' else 'text'}, "
+                                 f"got {type(value).__name__}")
+        if self.choice is not None and not all(isinstance(c, str) for c in self.choice):
+            raise ValueError("StructuredOutputsParams.choice must be a list of strings")
+        if isinstance(self.json, dict):
+            try:  # what the engine does with it (key()): fails here, not there
+                self.key()
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"StructuredOutputsParams.json is not a JSON schema object: "
+                                 f"{e}") from None
 
     def key(self) -> tuple[str, str]:
         """(kind, text): the compile-cache key."""
@@ -50,60 +80,44 @@ class SamplingParams(
 ):  # type: ignore[call-arg]
     """What to sample and when to stop. Defaults sample greedily up to 16 tokens.
 
-    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
+    ``temperature`` below ``TEMPERATURE_FLOOR`` (1e-5; 0 included) means greedy.
+    ``top_k`` of 0 or -1 disables top-k.
     ``logprobs=N`` returns the top-N logprobs (plus the sampled token's) at each
     sampled position. Invalid values raise ``ValueError`` naming the field.
     """
 
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
+    max_tokens: PositiveInt64 = 16
+    min_tokens: NonNegInt64 = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: Probability = 0.0
+    seed: Int64 | None = None
+    stop_token_ids: list[NonNegInt64] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    logprobs: NumLogprobs | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        def bad(field: str, value: object, must: str) -> ValueError:
-            return ValueError(f"SamplingParams.{field} must be {must}, got {value!r}")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, "an int >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", self.min_tokens, "an int >= 0")
+        # The field annotations are the bounds (msgspec checks them on decode);
+        # the same ones hold for a struct built in Python.
+        check_bounds(self)
         if self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise bad("temperature", self.temperature, ">= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive int")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and not (-_MAX_SEED <= self.seed <= _MAX_SEED):
-            raise bad("seed", self.seed, "a 64-bit signed int")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative ints")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise bad("logprobs", self.logprobs, "None or an int in [0, 20]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 10]")
+            raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens "
+                             f"({self.max_tokens}), got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError("SamplingParams.structured_outputs must be StructuredOutputsParams, "
+                             f"got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

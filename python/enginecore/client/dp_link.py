@@ -10,6 +10,7 @@ import msgspec
 import zmq
 
 from enginecore.protocol import DPStatus, WaveStartRequest
+from enginecore.transport import CurveKeys, secure_client
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,8 @@ WAITING_WEIGHT = 4
 
 
 class CoordinatorLink:
-    def __init__(self, ctx: zmq.Context, addresses: dict[str, str], lockstep: bool) -> None:
+    def __init__(self, ctx: zmq.Context, addresses: dict[str, str], lockstep: bool,
+                 curve: CurveKeys | None = None) -> None:
         self.lockstep = lockstep
         self._lock = threading.Lock()
         # Per rank [waiting, running]: the coordinator's latest, plus what this
@@ -29,12 +31,14 @@ class CoordinatorLink:
         self.engines_running = False
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
+        secure_client(self._push, addresses["wave_request"], curve)
         self._push.connect(addresses["wave_request"])
         self._encoder = msgspec.msgpack.Encoder()
         self._stop = threading.Event()
         self._sub = ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        secure_client(self._sub, addresses["status"], curve)
         self._sub.connect(addresses["status"])
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name="enginecore-dp-status")

@@ -28,6 +28,12 @@ from enginecore.protocol import (
     HandshakeMessage,
     HandshakeReady,
 )
+from enginecore.transport import (
+    default_key_file,
+    secure_client,
+    secure_server,
+    write_rank_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +58,8 @@ class EngineLauncher:
         else:
             bind = dict.fromkeys(names, f"tcp://{self._addresses.host}")
         self.coordinator, self._coord_addresses = start_coordinator(
-            pc.data_parallel_size, pc.data_parallel_lockstep, bind, _log_level(engine_log_level))
+            pc.data_parallel_size, pc.data_parallel_lockstep, bind, _log_level(engine_log_level),
+            self.config.transport_config.max_message_bytes, self._curve, self._addresses.dir)
         if pc.data_parallel_lockstep:
             from enginecore.core.dp_group import host_store
 
@@ -65,7 +72,8 @@ class EngineLauncher:
             from enginecore.client.dp_link import CoordinatorLink
 
             self._link = CoordinatorLink(self.ctx, self._coord_addresses,
-                                         self.config.parallel_config.data_parallel_lockstep)
+                                         self.config.parallel_config.data_parallel_lockstep,
+                                         self._curve)
 
     # -- start-up ----------------------------------------------------------------------------
     def _start_engine(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
@@ -73,9 +81,16 @@ class EngineLauncher:
         config, level = self._engine_config(), _log_level(engine_log_level)
         self._spawn_args = dict(executor_class=executor_class, log_stats=log_stats,
                                 handshake_timeout_s=timeout_s, log_level=level)
+        headless = self.num_local_engines < self.num_engines
+        if headless and self._curve is not None:
+            # The ranks elsewhere get their keys out of band: this 0600 file (or its
+            # content in ENGINECORE_CURVE_KEYS), copied by whoever starts them.
+            path = write_rank_keys(self._curve, self.config.transport_config.curve_key_file
+                                   or default_key_file(self.config))
+            self._addresses.remove_at_cleanup(path)
+            logger.warning("CURVE keys for the headless ranks of this launch: %s (0600)", path)
         handshake, hs_address = self._bind_handshake(
-            self.config.parallel_config.data_parallel_rpc_port
-            if self.num_local_engines < self.num_engines else 0)
+            self.config.parallel_config.data_parallel_rpc_port if headless else 0)
         try:
             local = self.ranks[: self.num_local_engines]
             self.procs.extend(self._spawn_ranks(local, hs_address, config))
@@ -88,15 +103,22 @@ class EngineLauncher:
             handshake.close(linger=0)
 
     def _engine_config(self) -> EngineConfig:
-        if self.config.use_native is None:
+        config = self.config
+        if config.use_native is None:
             # The engines follow this process's hot-path choice (env or set_native).
-            return dataclasses.replace(self.config, use_native=_native._enabled and
-                                       _native._ext is not None)
-        return self.config
+            config = dataclasses.replace(config, use_native=_native._enabled and
+                                         _native._ext is not None)
+        if self._curve is not None:
+            # The ranks' CURVE keys ride in their config (the spawn pipe, Ray's
+            # arguments), never over a socket; the server secret stays here.
+            config = dataclasses.replace(config, transport_config=dataclasses.replace(
+                config.transport_config, curve_keys=self._curve.for_ranks()))
+        return config
 
     def _bind_handshake(self, port: int = 0) -> tuple[zmq.Socket, str]:
         handshake = self.ctx.socket(zmq.ROUTER)
         handshake.setsockopt(zmq.LINGER, 0)
+        secure_server(handshake, self._curve)
         self._handshakes = getattr(self, "_handshakes", 0) + 1
         try:
             return handshake, self._addresses.bind(
@@ -120,6 +142,7 @@ class EngineLauncher:
                 target=run_engine_core, name=f"EngineCore_DP{rank}",
                 kwargs=dict(config=rank_config, handshake_address=hs_address,
                             engine_index=rank, parent_pid=os.getpid(),
+                            ipc_dir=self._addresses.dir,
                             visible_devices=devices[rank % len(devices)] if devices else None,
                             **self._spawn_args),
                 daemon=True)
@@ -182,8 +205,14 @@ class EngineLauncher:
                         f"sending {'READY' if i in said_hello else 'HELLO'}; see its log above")
             if not handshake.poll(200):
                 continue
-            identity, payload = handshake.recv_multipart()
-            msg = decoder.decode(payload)
+            frames = handshake.recv_multipart()
+            try:
+                identity, payload = frames
+                msg = decoder.decode(payload)
+            except (ValueError, msgspec.DecodeError) as e:
+                logger.warning("dropped a malformed handshake message (%d frames): %s",
+                               len(frames), e)
+                continue
             if isinstance(msg, HandshakeHello):
                 said_hello.add(msg.engine_index)
                 handshake.send_multipart([identity, init])
@@ -243,6 +272,7 @@ class EngineLauncher:
             try:
                 push = self.ctx.socket(zmq.PUSH)
                 push.setsockopt(zmq.LINGER, 1000)
+                secure_client(push, address, self._curve)
                 push.connect(address)
                 push.send(ENGINE_CORE_DEAD)
                 push.close()

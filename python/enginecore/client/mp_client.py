@@ -32,16 +32,28 @@ from enginecore.errors import EngineDeadError
 from enginecore.executor.abstract import Executor
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
-    HEARTBEAT_IVL_MS,
-    HEARTBEAT_TIMEOUT_MS,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     UtilityRequest,
+    encode_request,
     engine_identity,
+)
+from enginecore.transport import (
+    curve_wanted,
+    make_keys,
+    new_context,
+    secure_server,
+    set_heartbeats,
+    start_authenticator,
 )
 
 logger = logging.getLogger(__name__)
+
+def _shut_down() -> EngineDeadError:
+    return EngineDeadError("the client was shut down")
+
+
 
 _ADD = EngineCoreRequestType.ADD.value
 _ABORT = EngineCoreRequestType.ABORT.value
@@ -81,7 +93,12 @@ class MPClient(EngineLauncher, EngineCoreClient):
             # Some ranks are headless engines elsewhere: they reach us over TCP.
             transport = "tcp"
         self._addresses = Addresses(transport, pc.data_parallel_address)
-        self.ctx = zmq.Context()
+        self.ctx = new_context(config)
+        # TCP: CurveZMQ with keys made for this launch; only holders of the client
+        # key (our engines, handed it out of band) get past the handshake.
+        tc = config.transport_config
+        self._curve = make_keys() if transport == "tcp" and curve_wanted(tc) else None
+        self._auth = start_authenticator(self.ctx, self._curve)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._front_ends: list[tuple[zmq.Socket, zmq.Socket, str, str]] = []
         # Data parallel behind one load balancer: the coordinator process, and for
@@ -100,13 +117,14 @@ class MPClient(EngineLauncher, EngineCoreClient):
                 inp = self.ctx.socket(zmq.ROUTER)
                 inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 inp.setsockopt(zmq.LINGER, 0)
-                # Heartbeats: a headless rank on another node that dies (kill -9, power)
-                # drops its connection within seconds (see _watch_remote_ranks).
-                inp.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-                inp.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+                # TCP heartbeats: a headless rank whose node goes away drops its
+                # connection after heartbeat_timeout_s (see _watch_remote_ranks).
+                set_heartbeats(inp, self._addresses.transport + "://", tc)
+                secure_server(inp, self._curve)
                 in_addr = self._addresses.bind(inp, f"input{i}.sock")
                 out = self.ctx.socket(zmq.PULL)
                 out.setsockopt(zmq.LINGER, 0)
+                secure_server(out, self._curve)
                 out_addr = self._addresses.bind(out, f"output{i}.sock")
                 self._front_ends.append((inp, out, in_addr, out_addr))
             (self.input_socket, self.output_socket, self.input_address,
@@ -148,6 +166,7 @@ class MPClient(EngineLauncher, EngineCoreClient):
         self._call_ids = itertools.count(1)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._max_message_bytes = config.transport_config.max_message_bytes
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
 
@@ -163,6 +182,7 @@ class MPClient(EngineLauncher, EngineCoreClient):
         other._owner = False
         other._primary = self
         other.ctx = self.ctx
+        other._curve = self._curve
         other.procs = self.procs
         other.coordinator = self.coordinator
         other._coord_addresses = self._coord_addresses
@@ -192,6 +212,8 @@ class MPClient(EngineLauncher, EngineCoreClient):
         """Track a new request and pick its engine (least loaded); its index."""
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        if request.request_id.startswith("\x00"):
+            raise ValueError("request ids may not begin with a NUL character")
         with self._live_lock:
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already live")
@@ -206,6 +228,17 @@ class MPClient(EngineLauncher, EngineCoreClient):
         if self._link is not None:
             request.current_wave = self._link.current_wave_for_request()
         return engine
+
+    def _add_frames(self, engine: int, request: EngineCoreRequest) -> list[bytes]:
+        """The ADD to send, checked as the engine will decode it (types, bounds) and
+        against the message size cap: a request the engine would refuse raises
+        ``ValueError`` here and is never sent."""
+        payload = encode_request(self._encoder, request)
+        if len(payload) > self._max_message_bytes:
+            raise ValueError(f"request {request.request_id!r} is {len(payload)} bytes on the "
+                             f"wire, over the {self._max_message_bytes}-byte message cap "
+                             "(zmq_max_message_bytes)")
+        return [self.identities[engine], _ADD, payload]
 
     def _sent(self, engine: int, request: EngineCoreRequest) -> None:
         if self._link is not None:
@@ -281,24 +314,35 @@ class MPClient(EngineLauncher, EngineCoreClient):
     def _fail_pending(self, queue_put) -> None:
         """The engine is dead: every waiter (outputs, utility calls) learns it now."""
         self._dead = True
-        queue_put(EngineDeadError())
+        self._fail_waiters(queue_put, EngineDeadError())
+
+    def _fail_waiters(self, put: Any, error: EngineDeadError) -> None:
+        put(error)
         for entry in list(self._pending.values()):
             if not entry[1].done():
-                entry[1].set_exception(EngineDeadError())
+                entry[1].set_exception(error)
         self._pending.clear()
 
     def _on_frame(self, buf: memoryview, put: Any) -> bool:
         """One frame from the output socket: outputs go to ``put``, utility replies
-        to their futures. False once the engine is dead."""
+        to their futures. False once the engine is dead. A frame that does not
+        decode (or whose handling fails) is logged and dropped: one bad frame never
+        stops the reader."""
         if len(buf) == len(ENGINE_CORE_DEAD) and bytes(buf) == ENGINE_CORE_DEAD:
             self._fail_pending(put)
             return False
-        outs = self._decoder.decode(buf)
-        if outs.utility_output is not None:
-            self._settle_utility(outs)
-        else:
+        try:
+            outs = self._decoder.decode(buf)
+            if outs.utility_output is not None:
+                self._settle_utility(outs)
+                return True
             self._forget_finished(outs)
-            put(outs)
+        except Exception as e:  # noqa: BLE001 - drop the frame, keep reading
+            logger.warning("client %d dropped an output frame it could not read (%d bytes, "
+                           "first bytes %r): %s", self.client_index, len(buf),
+                           bytes(buf[:8]), e)
+            return True
+        put(outs)
         return True
 
     def _settle_utility(self, outs: EngineCoreOutputs) -> None:
@@ -317,6 +361,7 @@ class MPClient(EngineLauncher, EngineCoreClient):
         self._closed = True
         if self._link is not None:
             self._link.close()
+        self._wake_on_shutdown()
         if not self._owner:
             return
         if hasattr(self, "_monitor_stop_w"):
@@ -338,8 +383,14 @@ class MPClient(EngineLauncher, EngineCoreClient):
             self.coordinator.join(timeout=5)
         self._dp_store = None
         self._join_socket_threads()
+        if self._auth is not None:
+            self._auth.stop()
         self._close_sockets()
         self._addresses.cleanup()
+
+    def _wake_on_shutdown(self) -> None:
+        """Subclasses: whoever waits for outputs or a utility reply gets
+        EngineDeadError (``_fail_waiters`` on their queue)."""
 
     def _join_socket_threads(self) -> None:
         """The threads that poll this context's sockets (output reader, remote-rank
@@ -378,12 +429,20 @@ class SyncMPClient(ElasticScaling, MPClient):
                 if not sock.poll(200):
                     continue
                 frame = sock.recv(copy=False)
+                if frame.more:  # our peers send single frames: drop the rest of this one
+                    _drop_rest(sock, self.client_index)
+                    continue
             except zmq.ZMQError:
-                break
+                if self._closed:
+                    break
+                logger.exception("client %d: output socket error", self.client_index)
+                continue
             if not self._on_frame(frame.buffer, self.outputs_queue.put_nowait):
                 break
 
-
+    def _wake_on_shutdown(self) -> None:
+        if hasattr(self, "outputs_queue"):  # not when start-up failed
+            self._fail_waiters(self.outputs_queue.put_nowait, _shut_down())
 
     def _send(self, frames: list[bytes]) -> None:
         self._check_alive()
@@ -396,7 +455,7 @@ class SyncMPClient(ElasticScaling, MPClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         engine = self._register(request)
         try:
-            self._send([self.identities[engine], _ADD, self._encoder.encode(request)])
+            self._send(self._add_frames(engine, request))
         except BaseException:
             self._forget(request.request_id)
             raise
@@ -407,6 +466,8 @@ class SyncMPClient(ElasticScaling, MPClient):
             self._send(frames)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        if self._closed and self.outputs_queue.empty():
+            raise _shut_down()
         item = self.outputs_queue.get(timeout=timeout)
         if isinstance(item, Exception):
             self.outputs_queue.put_nowait(item)  # every later caller sees it too
@@ -457,23 +518,47 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
         self._ainput = zmq.asyncio.Socket.from_socket(self.input_socket)
         self._aoutput = zmq.asyncio.Socket.from_socket(self.output_socket)
         self._queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, list] = {}
         self._reader_task: asyncio.Task | None = None
 
     def _ensure_reader(self) -> None:
         if self._reader_task is None:
             self._queue = asyncio.Queue()
-            self._reader_task = asyncio.get_running_loop().create_task(self._read_outputs())
+            self._loop = asyncio.get_running_loop()
+            self._reader_task = self._loop.create_task(self._read_outputs())
 
     async def _read_outputs(self) -> None:
         assert self._queue is not None
         while not self._closed:
             try:
                 frame = await self._aoutput.recv(copy=False)
-            except (zmq.ZMQError, asyncio.CancelledError):
+                if frame.more:  # our peers send single frames: drop the rest of this one
+                    _drop_rest(self.output_socket, self.client_index)
+                    continue
+            except asyncio.CancelledError:
                 break
+            except zmq.ZMQError:
+                if self._closed:
+                    break
+                logger.exception("client %d: output socket error", self.client_index)
+                await asyncio.sleep(0.01)
+                continue
             if not self._on_frame(frame.buffer, self._queue.put_nowait):
                 break
+
+    def _wake_on_shutdown(self) -> None:
+        queue, loop = self._queue, self._loop
+        if queue is None or loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._fail_waiters(queue.put_nowait, _shut_down())
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail_waiters, queue.put_nowait, _shut_down())
 
     async def _send(self, frames: list[bytes]) -> None:
         self._check_alive()
@@ -486,7 +571,7 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         engine = self._register(request)
         try:
-            await self._send([self.identities[engine], _ADD, self._encoder.encode(request)])
+            await self._send(self._add_frames(engine, request))
         except BaseException:
             self._forget(request.request_id)
             raise
@@ -497,6 +582,8 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
             await self._send(frames)
 
     async def get_output_async(self) -> EngineCoreOutputs:
+        if self._closed and (self._queue is None or self._queue.empty()):
+            raise _shut_down()
         self._ensure_reader()
         assert self._queue is not None
         item = await self._queue.get()
@@ -526,6 +613,14 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
 
     def shutdown(self) -> None:
         task = getattr(self, "_reader_task", None)
+        super().shutdown()  # wakes the waiters first
         if task is not None and not task.done():
             task.cancel()
-        super().shutdown()
+
+
+def _drop_rest(sock: zmq.Socket, client_index: int) -> None:
+    """A multi-frame message on an output socket is not ours: drop all of it."""
+    while sock.get(zmq.RCVMORE):
+        sock.recv(zmq.NOBLOCK)
+    logger.warning("client %d dropped a multi-frame message on its output socket",
+                   client_index)

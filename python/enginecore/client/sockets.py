@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 
 import zmq
 
@@ -13,7 +14,12 @@ from enginecore.config import EngineConfig
 
 
 class Addresses:
-    """Where the client binds; a private directory for IPC sockets."""
+    """Where the client binds; a private directory for IPC sockets.
+
+    The directory goes when ``cleanup()`` is called, when this object is collected,
+    or at interpreter exit (a client dropped or never shut down); if this process
+    dies first (kill -9), the engine or coordinator that outlives it removes it
+    (core/liveness.py)."""
 
     def __init__(self, transport: str, host: str = "127.0.0.1") -> None:
         if transport not in ("ipc", "tcp"):
@@ -21,8 +27,10 @@ class Addresses:
         self.transport = transport
         self.host = host
         self.dir = tempfile.mkdtemp(prefix="enginecore-") if transport == "ipc" else None
+        self._remove = None
         if self.dir:
             os.chmod(self.dir, 0o700)
+            self._remove = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
 
     def bind(self, sock: zmq.Socket, name: str, port: int = 0) -> str:
         if self.dir is not None:
@@ -35,9 +43,18 @@ class Addresses:
             port = sock.bind_to_random_port(f"tcp://{self.host}")
         return f"tcp://{self.host}:{port}"
 
+    def remove_at_cleanup(self, path: str) -> None:
+        """A file of this launch (the headless ranks' keys) goes with the sockets."""
+        self._files = [*getattr(self, "_files", ()), path]
+
     def cleanup(self) -> None:
-        if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        if self._remove is not None:
+            self._remove()
+        for path in getattr(self, "_files", ()):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 def rank_devices(config: EngineConfig) -> list[str] | None:

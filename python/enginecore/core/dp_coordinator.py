@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from enginecore.core.liveness import remove_private_dir
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     DPStatus,
@@ -33,6 +34,7 @@ from enginecore.protocol import (
     StartDPWave,
     WaveStartRequest,
 )
+from enginecore.transport import secure_server, start_authenticator
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +104,29 @@ class DPCoordinator:
 
 
 def run_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], conn: Any,
-                    parent_pid: int, log_level: int = logging.WARNING) -> None:
-    """Process entry: bind, report the addresses through ``conn``, serve."""
+                    parent_pid: int, log_level: int = logging.WARNING,
+                    max_message_bytes: int = 64 << 20, curve: Any = None,
+                    ipc_dir: str | None = None) -> None:
+    """Process entry: bind, report the addresses through ``conn``, serve. ``curve``:
+    the launch's keys (TCP); ``ipc_dir``: the front-end's socket directory, removed
+    here if the front-end dies first."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s dp-coordinator "
                         "%(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    auth = start_authenticator(ctx, curve)
+    try:
+        _serve(ctx, dp_size, lockstep, bind, conn, parent_pid, curve)
+    finally:
+        if ipc_dir is not None and os.getppid() != parent_pid:
+            remove_private_dir(ipc_dir)
+        if auth is not None:
+            auth.stop()
+
+
+def _serve(ctx: zmq.Context, dp_size: int, lockstep: bool, bind: dict[str, str], conn: Any,
+           parent_pid: int, curve: Any) -> None:
     front_pub = ctx.socket(zmq.XPUB)
     front_in = ctx.socket(zmq.PULL)
     engine_router = ctx.socket(zmq.ROUTER)
@@ -118,6 +137,8 @@ def run_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], conn: An
     addresses = {}
     for name, sock in sockets.items():
         sock.setsockopt(zmq.LINGER, 0)
+        if bind[name].startswith("tcp://"):
+            secure_server(sock, curve)
         addresses[name] = _bind(sock, bind[name])
     conn.send(addresses)
     conn.close()
@@ -165,10 +186,13 @@ def run_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], conn: An
         if engine_router in events:
             while True:
                 try:
-                    ident, _ = engine_router.recv_multipart(zmq.NOBLOCK)
+                    frames = engine_router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                coord.registered.add(ident)
+                if len(frames) == 2 and len(frames[0]) == 2 and frames[1] == b"":
+                    coord.registered.add(frames[0])  # a rank's input registering
+                else:
+                    logger.warning("dropped a %d-frame message from a rank", len(frames))
         if engine_in in events:
             while True:
                 try:
@@ -180,10 +204,10 @@ def run_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], conn: An
                     continue
                 try:
                     outs = outs_dec.decode(frame)
-                except msgspec.DecodeError as e:
+                    start = coord.on_engine_output(outs)
+                except (msgspec.DecodeError, ValueError, TypeError) as e:
                     logger.warning("bad message from a rank dropped: %s", e)
                     continue
-                start = coord.on_engine_output(outs)
                 if start is not None:
                     broadcast(*start)
         now = time.monotonic()
@@ -205,13 +229,17 @@ def _bind(sock: zmq.Socket, where: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def start_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str],
-                      log_level: int) -> tuple[multiprocessing.process.BaseProcess, dict]:
-    """Spawn the coordinator; its process and bound addresses."""
+def start_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], log_level: int,
+                      max_message_bytes: int = 64 << 20, curve: Any = None,
+                      ipc_dir: str | None = None,
+                      ) -> tuple[multiprocessing.process.BaseProcess, dict]:
+    """Spawn the coordinator; its process and bound addresses. The keys go through
+    the spawn pipe (out of band)."""
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_coordinator, name="DPCoordinator", daemon=True,
-                       args=(dp_size, lockstep, bind, send, os.getpid(), log_level))
+                       args=(dp_size, lockstep, bind, send, os.getpid(), log_level,
+                             max_message_bytes, curve, ipc_dir))
     proc.start()
     send.close()
     if not recv.poll(60):

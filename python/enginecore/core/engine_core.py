@@ -10,6 +10,8 @@ import logging
 import os
 import queue
 import time
+
+import msgspec
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -17,8 +19,16 @@ from typing import Any, Literal
 from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
 from enginecore.config import EngineConfig
+from enginecore.core.fault_isolation import FaultIsolation
 from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
-from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, SchedulerStats
+from enginecore.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LoRARequest,
+    SchedulerStats,
+    decode_request,
+    encode_request,
+)
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 from enginecore.sched.scheduler import PauseState, Scheduler
@@ -27,6 +37,8 @@ from enginecore.sched.structured_output import StructuredOutputError, Structured
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "keep", "wait"]
+SleepLevel = Literal[1, 2]
+WakeUpTag = Literal["weights", "kv_cache"]
 
 
 class EngineCore:
@@ -65,6 +77,8 @@ class EngineCore:
             track_in_flight=self.batch_queue is not None,
         )
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        # A batch that makes the executor raise costs only the culprit request(s).
+        self.fault_isolation = FaultIsolation(self)
         # Aborts that arrive (from the input thread) while a step runs are
         # applied before that step's outputs are processed.
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
@@ -82,9 +96,10 @@ class EngineCore:
         tok_json = os.path.join(path, "tokenizer.json") if path else None
         self.structured_output = StructuredOutputManager(
             tok_json if tok_json and os.path.exists(tok_json) else None, mc.vocab_size,
-            mc.eos_token_id)
+            mc.eos_token_id, config.structured_outputs_config.mask_budget_ms)
         self.scheduler.structured_output = self.structured_output
         self._max_batched = config.scheduler_config.max_num_batched_tokens
+        self._wire_encoder = msgspec.msgpack.Encoder()
 
     # -- start-up -------------------------------------------------------------------
     def _initialize_kv_caches(self) -> int:
@@ -129,16 +144,21 @@ class EngineCore:
         return num_blocks
 
     # -- requests ----------------------------------------------------------------------
-    def preprocess_add_request(self, request: EngineCoreRequest) -> tuple[Request, int]:
+    def preprocess_add_request(self, request: EngineCoreRequest,
+                               validated: bool = False) -> tuple[Request, int]:
         """Turn a wire request into an engine Request (block hashes included).
 
         Runs off the busy loop in the process engine. Raises ``TypeError`` for a
-        request id that is not a str.
+        request id that is not a str, ``ValueError`` for anything the wire would
+        refuse (types, numeric bounds: no native loop sees an unbounded value);
+        ``validated``: it was just decoded, so it is known good.
         """
         if not isinstance(request.request_id, str):
             raise TypeError(
                 f"request_id must be a str, got {type(request.request_id).__name__}"
             )
+        if not validated:
+            request = decode_request(encode_request(self._wire_encoder, request))
         req = Request.from_engine_core_request(
             request, self._eos_token_id, self._block_size, self._hash_algo,
             self._enable_hashes and self._fits(request) is None,
@@ -231,10 +251,15 @@ class EngineCore:
         scheduler_output = scheduler.schedule()
         if not self._needs_execution(scheduler_output):
             return scheduler.take_pending_outputs(), False
-        model_output = self._execute(scheduler_output)
+        try:
+            model_output = self._execute(scheduler_output)
+        except Exception as e:  # noqa: BLE001 - one request's fault is that request's
+            self.fault_isolation.batch_failed([scheduler_output], e)
+            return scheduler.take_pending_outputs(), False
         self._process_aborts_queue()
         self._stamp_elapsed(t0)
         outputs = scheduler.update_from_output(scheduler_output, model_output)
+        self.fault_isolation.step_succeeded()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -249,7 +274,11 @@ class EngineCore:
         if scheduler.has_requests() and not self.model_executor.is_sleeping:
             scheduler_output = scheduler.schedule()
             if self._needs_execution(scheduler_output):
-                future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                try:
+                    future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                except Exception as e:  # noqa: BLE001 - raised before it was queued
+                    future = Future()
+                    future.set_exception(e)
                 batch_queue.put((future, scheduler_output))
                 model_executed = scheduler_output.total_num_scheduled_tokens > 0
                 if (
@@ -261,10 +290,30 @@ class EngineCore:
         if not batch_queue:
             return scheduler.take_pending_outputs(), False
         future, scheduler_output = batch_queue.get_nowait()
-        model_output = self._result(future)
+        try:
+            model_output = self._result(future)
+        except Exception as e:  # noqa: BLE001 - one request's fault is that request's
+            self._batch_queue_failed(scheduler_output, e)
+            return scheduler.take_pending_outputs(), False
         self._process_aborts_queue()
         self._stamp_elapsed(t0)
-        return scheduler.update_from_output(scheduler_output, model_output), model_executed
+        outputs = scheduler.update_from_output(scheduler_output, model_output)
+        self.fault_isolation.step_succeeded()
+        return outputs, model_executed
+
+    def _batch_queue_failed(self, so: SchedulerOutput, error: Exception) -> None:
+        """The oldest batch raised: the batches still in flight are awaited and
+        recomputed with it (their tokens were computed on state that is rewound);
+        those that raised too are suspects as well."""
+        failed, others = [so], []
+        while self.batch_queue:
+            future, other = self.batch_queue.get_nowait()
+            try:
+                self._result(future)
+                others.append(other)
+            except Exception:  # noqa: BLE001
+                failed.append(other)
+        self.fault_isolation.batch_failed(failed, error, others)
 
     @staticmethod
     def _needs_execution(so: SchedulerOutput) -> bool:
@@ -320,7 +369,12 @@ class EngineCore:
             return
         while self.batch_queue:
             future, so = self.batch_queue.get_nowait()
-            outputs = self.scheduler.update_from_output(so, self._result(future))
+            try:
+                model_output = self._result(future)
+            except Exception as e:  # noqa: BLE001 - as in step_with_batch_queue
+                self._batch_queue_failed(so, e)
+                return
+            outputs = self.scheduler.update_from_output(so, model_output)
             for client, outs in outputs.items():
                 for out in outs.outputs:
                     self.scheduler.owe_output(client, out)
@@ -350,15 +404,17 @@ class EngineCore:
     def is_scheduler_paused(self) -> bool:
         return self.scheduler.pause_state != PauseState.UNPAUSED
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: SleepLevel = 1) -> None:
         """Free the KV cache (level 1) and the weights (level 2). Running
         requests are preempted and resume by recompute after ``wake_up``."""
+        if level not in (1, 2):  # before anything is preempted
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         self._drain_batch_queue()
         self.scheduler.preempt_all()
         self.model_executor.sleep(level)
         self.scheduler.reset_prefix_cache()
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[WakeUpTag] | None = None) -> None:
         self.model_executor.wake_up(tags)
 
     def is_sleeping(self) -> bool:

@@ -3,7 +3,7 @@
 Threads: the input thread receives from every front-end (DEALER), decodes and
 preprocesses requests; the main thread runs the busy loop; the output thread
 encodes outputs into reused buffers and pushes them (PUSH) to the front-end
-they belong to. docs/protocol.md describes the messages.
+they belong to (core/engine_io.py). docs/protocol.md describes the messages.
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ import os
 import queue
 import signal
 import sys
-import threading
-import time
 import traceback
-from collections import deque
 from typing import Any
 
 import msgspec
@@ -27,43 +24,37 @@ from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
 from enginecore.config import EngineConfig
 from enginecore.core.engine_core import EngineCore
+from enginecore.core.engine_io import FAIL_SILENTLY, FATAL, SHUTDOWN, EngineIO
+from enginecore.core.liveness import remove_private_dir, watch_parent
 from enginecore.core.utility import convert_args, signature_of
 from enginecore.executor.abstract import Executor
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
-    HEARTBEAT_IVL_MS,
-    HEARTBEAT_TIMEOUT_MS,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineCoreRequestType,
     HandshakeFailed,
     HandshakeHello,
     HandshakeInit,
     HandshakeMessage,
     HandshakeReady,
+    StartDPWave,
     UtilityOutput,
     UtilityRequest,
-    StartDPWave,
     UtilityResult,
     engine_identity,
 )
-from enginecore.request import Request
-from enginecore.sched.columnar_outputs import ColumnarOutputs
-from enginecore.serial import OutputEncoder
+from enginecore.request import Request, RequestStatus
+from enginecore.transport import new_context, secure_client
 
 logger = logging.getLogger(__name__)
 
-# Frames at least this large go out zero-copy (tracked); smaller ones are copied.
-ZERO_COPY_THRESHOLD = 64 * 1024
-_SHUTDOWN = object()
 _ADD = EngineCoreRequestType.ADD
 _ABORT = EngineCoreRequestType.ABORT
 _UTILITY = EngineCoreRequestType.UTILITY
-_EXECUTOR_FAILED = EngineCoreRequestType.EXECUTOR_FAILED
 _START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE
 
 
-class EngineCoreProc(EngineCore):
+class EngineCoreProc(EngineIO, EngineCore):
     def __init__(
         self,
         config: EngineConfig,
@@ -84,7 +75,11 @@ class EngineCoreProc(EngineCore):
         # had the native output queue ~20% slower; 500-round medians do not.)
         self.input_queue = make_blocking_queue()
         self.output_queue = make_blocking_queue()
-        self.ctx = zmq.Context()
+        # Set when the owning front-end is gone (its connection closed, its process
+        # exited): the engine then also removes the front-end's private IPC directory.
+        self.owner_gone = False
+        self._utility_encoder = msgspec.msgpack.Encoder()
+        self.ctx = new_context(config)
         try:
             if init is not None:
                 self._start_from(init, config, executor_class, log_stats)
@@ -103,6 +98,7 @@ class EngineCoreProc(EngineCore):
         self._handshake = self.ctx.socket(zmq.DEALER)
         self._handshake.setsockopt(zmq.IDENTITY, self.identity)
         self._handshake.setsockopt(zmq.LINGER, 5000)
+        secure_client(self._handshake, handshake_address, config.transport_config.curve_keys)
         self._handshake.connect(handshake_address)
         self._hs_encoder = msgspec.msgpack.Encoder()
         self._hs_decoder = msgspec.msgpack.Decoder(HandshakeMessage)
@@ -111,6 +107,9 @@ class EngineCoreProc(EngineCore):
             raise TimeoutError(
                 f"engine {engine_index}: the front-end at {handshake_address} did not send its "
                 f"init message within {handshake_timeout_s:g} s of HELLO"
+                + (" (over TCP with CURVE: are these the keys of the front-end's current "
+                   "launch?)" if config.transport_config.curve_keys is not None
+                   and handshake_address.startswith("tcp://") else "")
             )
         init = self._hs_decoder.decode(self._handshake.recv())
         if not isinstance(init, HandshakeInit):
@@ -144,157 +143,7 @@ class EngineCoreProc(EngineCore):
         self._handshake.send(self._hs_encoder.encode(msg))
 
     def _on_executor_failure(self) -> None:
-        self.input_queue.put_nowait((_EXECUTOR_FAILED, None))
-
-    # -- IO threads ------------------------------------------------------------------------
-    def _start_io_threads(self, init: HandshakeInit) -> None:
-        # Native path: step outputs stay columns and the output thread writes
-        # msgpack from them in C++ (serial.py); the Python path builds objects.
-        self.scheduler.columnar_outputs = _native.native_available()
-        self._stop = threading.Event()
-        # The coordinator (data parallel) is one more peer on each side: it sends
-        # START_DP_WAVE like a front-end, and takes outputs addressed to client -1.
-        inputs, outputs = list(init.input_addresses), list(init.output_addresses)
-        if init.coordinator_input_address and init.coordinator_output_address:
-            inputs.append(init.coordinator_input_address)
-            outputs.append(init.coordinator_output_address)
-        self.input_thread = threading.Thread(
-            target=self._input_loop, args=(inputs,), daemon=True, name="enginecore-input")
-        self.output_thread = threading.Thread(
-            target=self._output_loop, args=(outputs,), daemon=True, name="enginecore-output")
-        ready = threading.Barrier(3, timeout=30)
-        self._io_ready = ready
-        self.input_thread.start()
-        self.output_thread.start()
-        ready.wait()
-
-    def _input_loop(self, addresses: list[str]) -> None:
-        sockets = []
-        poller = zmq.Poller()
-        for addr in addresses:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, self.identity)
-            sock.setsockopt(zmq.LINGER, 0)
-            # ZMTP heartbeats: a front-end that vanishes (another node, kill -9) drops
-            # the connection within seconds instead of never.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            sock.connect(addr)
-            # An empty message registers this engine with the front-end's ROUTER.
-            sock.send(b"")
-            poller.register(sock, zmq.POLLIN)
-            sockets.append(sock)
-        # The owning front-end going away ends the engine (a headless node would
-        # otherwise serve nobody forever).
-        owner_events = sockets[0].get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller.register(owner_events, zmq.POLLIN)
-        self._io_ready.wait()
-        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
-        abort_decoder = msgspec.msgpack.Decoder(list[str])
-        utility_decoder = msgspec.msgpack.Decoder(UtilityRequest)
-        wave_decoder = msgspec.msgpack.Decoder(StartDPWave)
-        put = self.input_queue.put_nowait
-        while not self._stop.is_set():
-            try:
-                events = poller.poll(200)
-            except zmq.ZMQError:
-                break
-            for sock, _ in events:
-                if sock is owner_events:
-                    self._owner_gone(owner_events, addresses[0])
-                    continue
-                try:
-                    frames = sock.recv_multipart()
-                except zmq.ZMQError:
-                    continue
-                try:
-                    self._dispatch_input(frames, put, add_decoder, abort_decoder,
-                                         utility_decoder, wave_decoder)
-                except Exception as e:  # noqa: BLE001 - bad input never kills the engine
-                    logger.warning("engine %d dropped a malformed message (%d frames, "
-                                   "first bytes %r): %s", self.engine_index, len(frames),
-                                   frames[0][:8] if frames else b"", e)
-        sockets[0].disable_monitor()
-        owner_events.close(linger=0)
-        for sock in sockets:
-            sock.close(linger=0)
-
-    def _owner_gone(self, monitor: zmq.Socket, address: str) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        event = recv_monitor_message(monitor)
-        if event["event"] == zmq.EVENT_DISCONNECTED and not self._stop.is_set():
-            logger.error("engine %d: the front-end at %s went away; shutting down",
-                         self.engine_index, address)
-            self.input_queue.put_nowait((_EXECUTOR_FAILED, f"the front-end at {address} "
-                                                           "went away"))
-
-    def _dispatch_input(self, frames, put, add_dec, abort_dec, util_dec, wave_dec) -> None:
-        if len(frames) != 2:
-            raise ValueError(f"expected [type, payload], got {len(frames)} frames")
-        try:
-            kind = EngineCoreRequestType(frames[0])
-        except ValueError:
-            raise ValueError(f"unknown request type {frames[0][:4]!r}") from None
-        payload = frames[1]
-        if kind is _ADD:
-            req = add_dec.decode(payload)
-            request, wave = self.preprocess_add_request(req)
-            put((_ADD, (request, wave)))
-        elif kind is _ABORT:
-            ids = abort_dec.decode(payload)
-            self.aborts_queue.put_nowait(ids)  # applied before the running step's outputs
-            put((_ABORT, ids))
-        elif kind is _UTILITY:
-            put((_UTILITY, util_dec.decode(payload)))
-        elif kind is _START_DP_WAVE:
-            put((_START_DP_WAVE, wave_dec.decode(payload)))
-        else:
-            raise ValueError(f"front-ends may not send {kind.name}")
-
-    def _output_loop(self, addresses: list[str]) -> None:
-        sockets = []
-        for addr in addresses:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 4000)
-            sock.connect(addr)
-            sockets.append(sock)
-        self._io_ready.wait()
-        encoder = OutputEncoder()
-        in_flight: deque[tuple[zmq.MessageTracker, bytearray]] = deque()
-        q = self.output_queue
-        # Native path: a step's columns are encoded into a reused buffer and sent
-        # on pyzmq's socket through the libzmq pyzmq loaded, without the GIL.
-        ext = _native.extension()
-        native_send = ext is not None and ext.libzmq_path() is not None
-        handles = [sock.underlying for sock in sockets]
-        logger.debug("output thread: step outputs sent by %s",
-                     "the native sender" if native_send else "pyzmq")
-        while True:
-            item = q.get()
-            if item is _SHUTDOWN:
-                break
-            client, outs = item
-            if outs is ENGINE_CORE_DEAD:
-                for sock in sockets:
-                    sock.send(ENGINE_CORE_DEAD)
-                continue
-            if native_send and type(outs) is ColumnarOutputs:
-                ext.send_columnar(handles[client], *encoder.columnar_args(outs))
-                continue
-            # Buffers zmq has finished sending go back to the encoder.
-            while in_flight and in_flight[0][0].done:
-                encoder.release(in_flight.popleft()[1])
-            buf = encoder.encode(outs)
-            sock = sockets[client]
-            if len(buf) < ZERO_COPY_THRESHOLD:
-                sock.send(buf, copy=True)
-                encoder.release(buf)
-            else:
-                tracker = sock.send(buf, copy=False, track=True)
-                in_flight.append((tracker, buf))
-        for sock in sockets:
-            sock.close()
+        self.input_queue.put_nowait((FATAL, None))
 
     # -- busy loop -----------------------------------------------------------------------------
     def run_busy_loop(self) -> None:
@@ -330,7 +179,7 @@ class EngineCoreProc(EngineCore):
         self.post_step(model_executed)
         return model_executed
 
-    def _handle_client_request(self, kind: EngineCoreRequestType, payload: Any) -> None:
+    def _handle_client_request(self, kind: Any, payload: Any) -> None:
         if kind is _ADD:
             request, wave = payload
             self._add_from_client(request, wave)
@@ -338,17 +187,22 @@ class EngineCoreProc(EngineCore):
             self.abort_requests(payload)
         elif kind is _UTILITY:
             self._run_utility(payload)
-        elif kind is _EXECUTOR_FAILED:
+        elif kind is FATAL:
             raise RuntimeError(payload or "the executor reported a failure")
         elif kind is _START_DP_WAVE:
             self._handle_start_wave(payload)
+        elif kind is FAIL_SILENTLY:
+            self.scheduler.finish_requests(payload, RequestStatus.FINISHED_ERROR, silent=True)
 
     def _add_from_client(self, request: Request, wave: int) -> None:
         try:
             self.add_request(request, wave)
         except (ValueError, TypeError) as e:
-            # Duplicate live id or a bad request: the first request is untouched.
-            logger.warning("engine %d rejected request %r: %s", self.engine_index,
+            # A live id sent again by the same front-end (ids are scoped per front-end,
+            # so front-ends never collide; the client refuses this with ValueError
+            # before sending): the first request is untouched, and an ERROR answer
+            # under the same id would end it for its caller, so the copy is dropped.
+            logger.warning("engine %d dropped request %r: %s", self.engine_index,
                            request.request_id, e)
 
     def _handle_start_wave(self, msg: StartDPWave) -> None:
@@ -362,8 +216,12 @@ class EngineCoreProc(EngineCore):
         out = UtilityOutput(call.call_id)
         try:
             signature_of(call.method)  # refuses anything off the allow-list
+            # Typed (and bounded) arguments: a bad one is refused before the call,
+            # so no utility does half its work and then fails.
             args = convert_args(call.method, call.args)
-            out.result = UtilityResult(getattr(self, call.method)(*args))
+            result = UtilityResult(getattr(self, call.method)(*args))
+            self._utility_encoder.encode(result)  # an unencodable result fails here, not later
+            out.result = result
         except Exception as e:  # noqa: BLE001 - the failure goes back to the caller
             logger.warning("utility %s failed: %s", call.method, e)
             out.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
@@ -385,7 +243,7 @@ class EngineCoreProc(EngineCore):
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-            self.output_queue.put_nowait(_SHUTDOWN)
+            self.output_queue.put_nowait(SHUTDOWN)
             self.output_thread.join(timeout=5)
             self.input_thread.join(timeout=2)
             stuck = [t.name for t in (self.output_thread, self.input_thread) if t.is_alive()]
@@ -399,17 +257,6 @@ class EngineCoreProc(EngineCore):
                            "to the process exit", self.engine_index, ", ".join(stuck))
             return
         self.ctx.destroy(linger=0)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the front-end process that started us is gone (no orphans)."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            logger.warning("parent process %d is gone; engine shutting down", parent_pid)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)
-            os._exit(1)
 
 
 class _Shutdown(BaseException):
@@ -430,8 +277,10 @@ def run_engine_core(
     parent_pid: int | None = None,
     log_level: int = logging.WARNING,
     visible_devices: str | None = None,
+    ipc_dir: str | None = None,
 ) -> None:
-    """Entry point of the engine process."""
+    """Entry point of the engine process. ``ipc_dir``: the front-end's private socket
+    directory, removed here if the front-end dies first."""
     if visible_devices is not None:
         # Before anything imports torch's CUDA runtime: this rank sees only its device.
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -443,9 +292,11 @@ def run_engine_core(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    parent_gone = []
     if parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
-                         name="enginecore-parent-watch").start()
+        # Liveness from the parent's death (a pidfd), not from a heartbeat: a
+        # front-end that is only stalled (SIGSTOP, swap) is not taken for dead.
+        watch_parent(parent_pid, lambda: parent_gone.append(True))
     engine: EngineCoreProc | None = None
     exit_code = 0
     try:
@@ -472,6 +323,8 @@ def run_engine_core(
                 engine.shutdown()
             except BaseException:  # noqa: BLE001
                 logger.exception("engine %d shutdown failed", engine_index)
+        if ipc_dir is not None and (parent_gone or (engine is not None and engine.owner_gone)):
+            remove_private_dir(ipc_dir)  # the front-end is gone: nobody else will
     # Everything is closed: leave without interpreter finalization, where library
     # finalizers (torch, zmq) have been seen to stall a dying engine for seconds.
     logging.shutdown()

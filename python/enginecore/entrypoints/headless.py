@@ -17,8 +17,17 @@ def run_headless(args: argparse.Namespace) -> int:
     from enginecore.config import EngineArgs
     from enginecore.core.engine_core_proc import run_engine_core
 
+    from enginecore.transport import curve_wanted, default_key_file, read_rank_keys
+
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
+    tc = config.transport_config
+    if curve_wanted(tc):
+        # The front-end's keys of this launch, out of band: ENGINECORE_CURVE_KEYS or
+        # the 0600 file it wrote (--zmq-curve-key-file, default by the RPC port).
+        path = tc.curve_key_file or default_key_file(config)
+        logger.info("reading the front-end's CURVE keys from %s", path)
+        tc.curve_keys = read_rank_keys(path, wait_s=args.handshake_timeout)
     pc = config.parallel_config
     if not pc.data_parallel_rpc_port:
         raise SystemExit("--data-parallel-rpc-port is needed: the front-end's handshake port")

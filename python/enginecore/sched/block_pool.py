@@ -177,6 +177,16 @@ class BlockPool:
                 block.block_hash = h
                 cached[h] = block
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget these blocks' hashes (their contents are not what the hash says)."""
+        cached = self.cached_block_hash_to_block
+        for block in blocks:
+            h = block.block_hash
+            if h is not None:
+                if cached.get(h) is block:
+                    del cached[h]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_blocks:

@@ -121,6 +121,18 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """The request's tokens from ``num_tokens`` on were never computed (their
+        step failed): its blocks past that point leave the prefix cache."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        first = num_tokens // self.block_size
+        self.block_pool.uncache(blocks[first:])
+        done = self.num_cached_blocks.get(request.request_id)
+        if done is not None and done > first:
+            self.num_cached_blocks[request.request_id] = first
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

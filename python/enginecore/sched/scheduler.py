@@ -121,6 +121,9 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.last_iteration: IterationDetails | None = None
+        # Fault isolation (core/fault_isolation.py): while set, only these requests
+        # are scheduled, to find which of a failed batch's requests make it raise.
+        self.probe: set[str] | None = None
 
     # -- requests in ---------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -138,34 +141,38 @@ class Scheduler:
         )
 
     def finish_requests(
-        self, request_ids: str | Iterable[str], status: RequestStatus
+        self, request_ids: str | Iterable[str], status: RequestStatus,
+        reason: str | None = None, silent: bool = False,
     ) -> list[Request]:
-        """Finish live requests from outside the model step (abort). Unknown or
-        already finished ids are ignored. Aborted requests are answered with
-        finish reason ABORT on the next step's outputs."""
+        """Finish live requests from outside the model step (abort, error). Unknown,
+        already finished and repeated ids are ignored: exactly one finish each.
+        They are answered with the status's finish reason (and ``reason`` as the
+        stop reason) on the next step's outputs, unless ``silent`` (the answer
+        went out already)."""
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        finished: list[Request] = []
+        finished: dict[str, Request] = {}
         for rid in request_ids:
             request = self.requests.get(rid)
-            if request is None or request.is_finished():
+            if request is None or request.is_finished() or rid in finished:
                 continue
-            finished.append(request)
+            finished[rid] = request
         if not finished:
-            return finished
-        running = {id(r) for r in finished if r.status == _RUNNING}
+            return []
+        running = {id(r) for r in finished.values() if r.status == _RUNNING}
         if running:
             self.running = [r for r in self.running if id(r) not in running]
-        waiting = [r for r in finished if r.status != _RUNNING]
+        waiting = [r for r in finished.values() if r.status != _RUNNING]
         if waiting:
             self.waiting.remove_requests(waiting)
-        reason = RequestStatus.finish_reason(status)
-        for request in finished:
+        finish_reason = RequestStatus.finish_reason(status)
+        for request in finished.values():
             request.status = status
             self._free_request(request)
-            self.owe_output(request.client_index,
-                      EngineCoreOutput(request.request_id, [], finish_reason=reason))
-        return finished
+            if not silent:
+                self.owe_output(request.client_index, EngineCoreOutput(
+                    request.request_id, [], finish_reason=finish_reason, stop_reason=reason))
+        return list(finished.values())
 
     def owe_output(self, client_index: int, output: EngineCoreOutput) -> None:
         self.pending_outputs.setdefault(client_index, []).append(output)
@@ -223,6 +230,11 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         max_len_1 = self.max_model_len - 1
         in_flight = self.in_flight
+        probe = self.probe
+        # Running requests this step passes over: those in a batch in flight, and
+        # while a fault is isolated, those not being probed.
+        skip = in_flight if probe is None else in_flight | {
+            r.request_id for r in self.running if r.request_id not in probe}
         num_scheduled_tokens: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
@@ -239,13 +251,13 @@ class Scheduler:
                 # The common-case prefix of this loop in C++ (csrc/scheduler_update.cpp);
                 # it stops before drafts or a preemption, and the loop goes on from there.
                 req_index, token_budget = ext.schedule_running(
-                    running, in_flight, token_budget, threshold, max_len_1, kv,
+                    running, skip, token_budget, threshold, max_len_1, kv,
                     kv.req_to_blocks, kv.num_cached_blocks, kv.block_size, kv.enable_caching,
                     kv.block_pool, scheduled_running, running_new_blocks, num_scheduled_tokens)
             while req_index < len(running) and token_budget > 0:
                 request = running[req_index]
                 rid = request.request_id
-                if rid in in_flight:
+                if rid in skip:
                     req_index += 1
                     continue
                 computed = request.num_computed_tokens
@@ -300,6 +312,9 @@ class Scheduler:
                             if self.max_loras else set())
             while waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = waiting.peek_request()
+                if probe is not None and request.request_id not in probe:
+                    skipped.append(waiting.pop_request())  # waits for the isolation to end
+                    continue
                 lid = request.lora_int_id
                 if lid and lid not in active_loras and len(active_loras) >= self.max_loras:
                     skipped.append(waiting.pop_request())  # waits for a free adapter slot
@@ -391,7 +406,13 @@ class Scheduler:
             if r.grammar is None:
                 continue
             if r.num_computed_tokens >= len(r.all_token_ids):
-                masks[r.request_id] = self.structured_output.bitmask(r.grammar)
+                # A matcher in error, or a mask over the per-step budget, ends the
+                # request with ERROR when its token arrives (update_from_output);
+                # this step it samples unconstrained, as the batch is already set.
+                mask, error = self.structured_output.bitmask_within_budget(r.grammar)
+                masks[r.request_id] = mask
+                if error is not None:
+                    r.grammar_error = error
         return masks
 
     def preempt_all(self) -> int:
@@ -412,6 +433,10 @@ class Scheduler:
         if self.policy is SchedulingPolicy.PRIORITY:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
+
+    def preempt(self, request: Request) -> None:
+        """Back to waiting (front), to be recomputed; not in ``running`` any more."""
+        self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -466,6 +491,7 @@ class Scheduler:
             col_ids: list[str | None] = []
             col_toks: list = []
 
+        failed: list[tuple[str, str]] = []
         ext = _native.extension()
         if ext is not None and not spec and logprobs is None and pooled is None:
             # Plain decodes: the per-request loop below, in C++ (csrc/scheduler_update.cpp).
@@ -474,55 +500,64 @@ class Scheduler:
                 index_of, in_flight,
                 self.max_model_len, (_RUNNING, _LENGTH, _STOPPED), outputs,
                 cols if columnar else None, stopped, (EngineCoreOutput, ColumnarOutputs),
-                self._emit_finished, self._update_request)
+                self._emit_finished, self._update_request, failed)
             scheduled: Any = ()
         else:
             scheduled = scheduler_output.num_scheduled_tokens
         for rid in scheduled:
-            if in_flight is not None:
-                in_flight.discard(rid)
-            request = requests.get(rid)
-            if request is None or request.status != _RUNNING:
-                continue  # aborted or preempted while its batch ran
-            i = index_of.get(rid)
-            if pooled is not None and i is not None and pooled[i] is not None:
-                request.status = _STOPPED
-                stopped.append(request)
-                out = EngineCoreOutput(rid, [], finish_reason=FinishReason.STOP,
-                                       pooling_output=pooled[i])
-                self._emit_any(outputs, cols, request, out)
-                continue
-            new_token_ids = sampled[i] if i is not None else []
-            drafts = spec.get(rid)
-            if drafts:
-                # Rejected drafts were counted as computed: take them back.
-                request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
-                self.spec_num_draft_tokens += len(drafts)
-                self.spec_num_accepted_tokens += len(new_token_ids) - 1
-            if not new_token_ids:
-                continue
-            if (len(new_token_ids) == 1 and request.grammar is None
-                    and (logprobs is None or logprobs[i] is None)):  # type: ignore[index]
-                # A plain decode (the loop csrc/scheduler_update.cpp runs natively).
-                request.append_output_token_ids(new_token_ids)
-                if self._check_stop(request):
+            # One request that makes this loop raise fails alone (ERROR), as in C++.
+            try:
+                if in_flight is not None:
+                    in_flight.discard(rid)
+                request = requests.get(rid)
+                if request is None or request.status != _RUNNING:
+                    continue  # aborted or preempted while its batch ran
+                i = index_of.get(rid)
+                if pooled is not None and i is not None and pooled[i] is not None:
+                    request.status = _STOPPED
                     stopped.append(request)
-                    self._emit_finished(request, rid, new_token_ids, outputs, cols)
-                elif columnar:
-                    client = request.client_index
-                    if client != last_client:
-                        col = cols.get(client)
-                        if col is None:
-                            col = cols[client] = ColumnarOutputs()
-                        col_ids, col_toks, last_client = col.request_ids, col.new_token_ids, client
-                    col_ids.append(rid)
-                    col_toks.append(new_token_ids)
-                else:
-                    self._emit(outputs, request, EngineCoreOutput(rid, new_token_ids, None))
-                continue
-            self._update_request(request, rid, new_token_ids,
-                                 None if logprobs is None else logprobs[i],  # type: ignore[index]
-                                 outputs, cols, stopped)
+                    out = EngineCoreOutput(rid, [], finish_reason=FinishReason.STOP,
+                                           pooling_output=pooled[i])
+                    self._emit_any(outputs, cols, request, out)
+                    continue
+                new_token_ids = sampled[i] if i is not None else []
+                drafts = spec.get(rid)
+                if drafts:
+                    # Rejected drafts were counted as computed: take them back.
+                    request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                    self.spec_num_draft_tokens += len(drafts)
+                    self.spec_num_accepted_tokens += len(new_token_ids) - 1
+                if not new_token_ids:
+                    continue
+                if (len(new_token_ids) == 1 and request.grammar is None
+                        and (logprobs is None or logprobs[i] is None)):  # type: ignore[index]
+                    # A plain decode (the loop csrc/scheduler_update.cpp runs natively).
+                    request.append_output_token_ids(new_token_ids)
+                    if self._check_stop(request):
+                        stopped.append(request)
+                        self._emit_finished(request, rid, new_token_ids, outputs, cols)
+                    elif columnar:
+                        client = request.client_index
+                        if client != last_client:
+                            col = cols.get(client)
+                            if col is None:
+                                col = cols[client] = ColumnarOutputs()
+                            col_ids, col_toks = col.request_ids, col.new_token_ids
+                            last_client = client
+                        col_ids.append(rid)
+                        col_toks.append(new_token_ids)
+                    else:
+                        self._emit(outputs, request, EngineCoreOutput(rid, new_token_ids, None))
+                    continue
+                self._update_request(request, rid, new_token_ids,
+                                     None if logprobs is None else logprobs[i],  # type: ignore[index]
+                                     outputs, cols, stopped)
+            except Exception as e:  # noqa: BLE001 - that request's failure only
+                failed.append((rid, f"{type(e).__name__}: {e}"))
+                if columnar:
+                    last_client = -1
+        if failed:
+            self._fail_updates(failed, outputs, cols, stopped)
 
         if stopped:
             gone = {id(r) for r in stopped}
@@ -541,6 +576,28 @@ class Scheduler:
             first.scheduler_stats = stats
         return result
 
+    def _fail_updates(self, failed: list[tuple[str, str]],
+                      outputs: dict[int, list[EngineCoreOutput]],
+                      cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
+        """Requests whose update raised (both paths): each ends with ERROR and the
+        exception, once (one that got its finish before raising keeps it)."""
+        for rid, why in failed:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            logger.error("request %r: processing its step output raised %s; it ends with "
+                         "ERROR", rid, why)
+            client = request.client_index
+            owed = cols[client].specials if client in cols else outputs.get(client, ())
+            if any(o.request_id == rid and o.finish_reason is not None for o in owed):
+                continue
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"the engine could not process its output: {why}"
+            if all(r is not request for r in stopped):
+                stopped.append(request)
+            self._emit_any(outputs, cols, request, EngineCoreOutput(
+                rid, [], finish_reason=FinishReason.ERROR, stop_reason=request.stop_reason))
+
     def _update_request(self, request: Request, rid: str, new_token_ids: list[int],
                         lp: Any, outputs: dict[int, list[EngineCoreOutput]],
                         cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
@@ -548,10 +605,17 @@ class Scheduler:
         decode), logprobs. Shared by both paths."""
         grammar = request.grammar
         # A finished grammar allows only EOS, which it does not consume.
-        if grammar is not None and not grammar.is_stopped() and not grammar.consume_tokens(
-                new_token_ids):
-            logger.error("request %s: token %s rejected by its grammar: %s", rid,
-                         new_token_ids, request.grammar.get_error())
+        if (grammar is not None and request.grammar_error is None and not grammar.is_stopped()
+                and not grammar.consume_tokens(new_token_ids)):
+            request.grammar_error = (f"token {new_token_ids} rejected by its constraint: "
+                                     f"{grammar.get_error()}")
+        if request.grammar_error is not None:
+            logger.warning("request %r ends with ERROR: %s", rid, request.grammar_error)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = request.grammar_error
+            stopped.append(request)
+            self._emit_finished(request, rid, [], outputs, cols)
+            return
         stop = False
         kept = 0
         for tok in new_token_ids:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -19,10 +20,26 @@ class StructuredOutputError(ValueError):
     """The constraint does not compile (bad schema, regex or grammar)."""
 
 
+# Compilation limits (llguidance's ParserLimits, tighter than its defaults where a
+# hostile constraint could otherwise tie up the input thread or memory); the
+# per-step cost of a mask is bounded by StructuredOutputsConfig.mask_budget_ms.
+MAX_CONSTRAINT_CHARS = 256 * 1024
+PARSER_LIMITS = dict(
+    initial_lexer_fuel=1_000_000,  # regex ASTs at compile time (~20 ms)
+    step_lexer_fuel=200_000,  # one mask's lexer work (~15 ms)
+    step_max_items=50_000,  # Earley items per mask step
+    max_lexer_states=50_000,  # ~1-2 kB each: ~100 MB at most
+    max_grammar_size=200_000,  # grammar symbols
+    max_items_in_row=2_000,
+)
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer_json_path: str | None, vocab_size: int,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, mask_budget_ms: float = 10.0) -> None:
         self.tokenizer_json_path = tokenizer_json_path
+        self.mask_budget_s = mask_budget_ms / 1e3
+        self._limits: Any = None
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._lock = threading.Lock()
@@ -55,6 +72,9 @@ class StructuredOutputManager:
         from llguidance import grammar_from
 
         kind, text = key
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise StructuredOutputError(f"the {kind} constraint is {len(text)} characters; at "
+                                        f"most {MAX_CONSTRAINT_CHARS} are accepted")
         fmt = {"json": "json_schema", "regex": "regex", "choice": "choice",
                "grammar": "grammar"}[kind]
         try:
@@ -66,13 +86,21 @@ class StructuredOutputManager:
         return grammar
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher for one request; raises StructuredOutputError."""
+        """A fresh matcher for one request, within the compile limits and whose first
+        mask fits the per-step budget (computed here, off the busy loop); raises
+        StructuredOutputError."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer(), self._grammar(params), log_level=0)
+        if self._limits is None:
+            self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        kind = params.key()[0]
+        matcher = llguidance.LLMatcher(self._tokenizer(), self._grammar(params), log_level=0,
+                                       limits=self._limits)
         if matcher.is_error():
-            raise StructuredOutputError(f"invalid {params.key()[0]} constraint: "
-                                        f"{matcher.get_error()}")
+            raise StructuredOutputError(f"invalid {kind} constraint: {matcher.get_error()}")
+        _, error = self.bitmask_within_budget(matcher)
+        if error is not None:
+            raise StructuredOutputError(f"{kind} constraint refused: {error}")
         return matcher
 
     def bitmask(self, matcher: Any) -> np.ndarray:
@@ -82,6 +110,22 @@ class StructuredOutputManager:
         mask = np.full((1, self.words), -1, dtype=np.int32)
         lnp.fill_next_token_bitmask(matcher, mask, 0)
         return mask[0]
+
+    def bitmask_within_budget(self, matcher: Any) -> tuple[np.ndarray, str | None]:
+        """(mask, None), or (all tokens allowed, why) when the matcher is in error or
+        the mask took more CPU time than the budget (thread CPU time: a busy machine
+        does not make a good constraint fail)."""
+        t0 = time.thread_time()
+        mask = self.bitmask(matcher)
+        spent = time.thread_time() - t0
+        if matcher.is_error():
+            return np.full(self.words, -1, dtype=np.int32), (
+                f"the constraint failed: {matcher.get_error()}")
+        if spent > self.mask_budget_s:
+            return np.full(self.words, -1, dtype=np.int32), (
+                f"its token mask took {spent * 1e3:.1f} ms of CPU, over the per-step budget of "
+                f"{self.mask_budget_s * 1e3:g} ms (structured_outputs_mask_budget_ms)")
+        return mask, None
 
     @staticmethod
     def accept(matcher: Any, token_ids: list[int]) -> bool:
