@@ -94,13 +94,17 @@ void send_message(uintptr_t socket, const std::string& out) {
 }
 
 // Encode one client's columns (with the GIL) into a buffer reused across
-// steps, then send it (without).
-void send_columnar(uintptr_t socket, long long engine_index, py::list request_ids,
+// steps, then send it (without). A message over `max_size` bytes is not sent
+// (false): the peer would drop the connection (ZMQ_MAXMSGSIZE), and the caller
+// splits it instead.
+bool send_columnar(uintptr_t socket, long long engine_index, py::list request_ids,
                    py::list new_token_ids, py::list specials, py::object stats_raw,
-                   double timestamp) {
+                   double timestamp, long long max_size) {
   thread_local std::string out;
   write_columnar(out, engine_index, request_ids, new_token_ids, specials, stats_raw, timestamp);
+  if (max_size >= 0 && out.size() > static_cast<size_t>(max_size)) return false;
   send_message(socket, out);
+  return true;
 }
 
 }  // namespace
@@ -110,9 +114,10 @@ void bind_zmq_send(py::module_& m) {
         "Path of the libzmq pyzmq loaded (the one send_columnar uses), or None.");
   m.def("send_columnar", &send_columnar, py::arg("socket"), py::arg("engine_index"),
         py::arg("request_ids"), py::arg("new_token_ids"), py::arg("specials"),
-        py::arg("stats_raw"), py::arg("timestamp"),
+        py::arg("stats_raw"), py::arg("timestamp"), py::arg("max_size") = -1,
         "Encode one client's step outputs from columns and send them on the zmq socket "
-        "whose handle is `socket` (pyzmq's Socket.underlying), without the GIL.");
+        "whose handle is `socket` (pyzmq's Socket.underlying), without the GIL; False "
+        "(nothing sent) when the message would pass max_size bytes.");
 }
 
 }  // namespace enginecore

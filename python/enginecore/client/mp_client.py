@@ -230,15 +230,17 @@ class MPClient(EngineLauncher, EngineCoreClient):
         return engine
 
     def _add_frames(self, engine: int, request: EngineCoreRequest) -> list[bytes]:
-        """The ADD to send, checked as the engine will decode it (types, bounds) and
-        against the message size cap: a request the engine would refuse raises
-        ``ValueError`` here and is never sent."""
-        payload = encode_request(self._encoder, request)
-        if len(payload) > self._max_message_bytes:
-            raise ValueError(f"request {request.request_id!r} is {len(payload)} bytes on the "
-                             f"wire, over the {self._max_message_bytes}-byte message cap "
-                             "(zmq_max_message_bytes)")
-        return [self.identities[engine], _ADD, payload]
+        """The ADD to send, checked as the engine will decode it (types, bounds): a
+        request the engine would refuse raises ``ValueError`` here, unsent."""
+        return [self.identities[engine], _ADD, encode_request(self._encoder, request)]
+
+    def _check_size(self, frames: list[bytes]) -> None:
+        """The engine drops the connection on a message over its cap (a dead link):
+        refuse it here instead."""
+        size = len(frames[-1])
+        if size > self._max_message_bytes:
+            raise ValueError(f"a {size}-byte message is over the {self._max_message_bytes}-byte "
+                             "message cap (zmq_max_message_bytes)")
 
     def _sent(self, engine: int, request: EngineCoreRequest) -> None:
         if self._link is not None:
@@ -446,6 +448,7 @@ class SyncMPClient(ElasticScaling, MPClient):
 
     def _send(self, frames: list[bytes]) -> None:
         self._check_alive()
+        self._check_size(frames)
         with self._send_lock:
             try:
                 self.input_socket.send_multipart(frames, copy=False)
@@ -562,6 +565,7 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
 
     async def _send(self, frames: list[bytes]) -> None:
         self._check_alive()
+        self._check_size(frames)
         self._ensure_reader()
         try:
             await self._ainput.send_multipart(frames, copy=False)

@@ -14,10 +14,11 @@ import time
 import msgspec
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
+from enginecore.bounds import NonNegInt64, PositiveInt64, finite
 from enginecore.config import EngineConfig
 from enginecore.core.fault_isolation import FaultIsolation
 from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
@@ -36,7 +37,11 @@ from enginecore.sched.structured_output import StructuredOutputError, Structured
 
 logger = logging.getLogger(__name__)
 
+# Utility argument types (core/utility.py converts to them before the call, so a
+# bad argument is refused before the method has done anything).
 PauseMode = Literal["abort", "keep", "wait"]
+Seconds = finite(ge=0.0)
+DPSize = Annotated[int, msgspec.Meta(ge=1, le=0xFFFF)]
 SleepLevel = Literal[1, 2]
 WakeUpTag = Literal["weights", "kv_cache"]
 
@@ -426,19 +431,19 @@ class EngineCore:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.model_executor.add_lora(lora_request)
 
-    def remove_lora(self, lora_id: int) -> bool:
+    def remove_lora(self, lora_id: PositiveInt64) -> bool:
         return self.model_executor.remove_lora(lora_id)
 
     def list_loras(self) -> set[int]:
         return self.model_executor.list_loras()
 
-    def pin_lora(self, lora_id: int) -> bool:
+    def pin_lora(self, lora_id: PositiveInt64) -> bool:
         return self.model_executor.pin_lora(lora_id)
 
     def collective_rpc(
         self,
         method: str,
-        timeout: float | None = None,
+        timeout: Seconds | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
@@ -494,7 +499,7 @@ class EngineCore:
         """Return once every data-parallel rank has reached it (one engine: at once)."""
         return True
 
-    def reinitialize_distributed(self, new_size: int, generation: int) -> bool:
+    def reinitialize_distributed(self, new_size: DPSize, generation: NonNegInt64) -> bool:
         """Data parallel only: move to a group of ``new_size`` ranks; False on a
         rank that leaves (DPEngineCoreProc)."""
         raise RuntimeError("reinitialize_distributed needs a data-parallel engine "

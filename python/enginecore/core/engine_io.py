@@ -34,6 +34,7 @@ from enginecore.protocol import (
     FinishReason,
     HandshakeInit,
     StartDPWave,
+    UtilityOutput,
     UtilityRequest,
     decode_request,
     readable_request_id,
@@ -263,6 +264,9 @@ class EngineIO:
         in_flight: deque[tuple[zmq.MessageTracker, bytearray]] = deque()
         q = self.output_queue
         num_front_ends = self.client_count
+        # A front-end drops the connection on a message over its cap: larger steps
+        # go out one output per message (_split).
+        cap = self.config.transport_config.max_message_bytes
         # Native path: a step's columns are encoded into a reused buffer and sent
         # on pyzmq's socket through the libzmq pyzmq loaded, without the GIL.
         ext = _native.extension()
@@ -286,17 +290,23 @@ class EngineIO:
                 continue
             if 0 < client < num_front_ends:
                 _unscope(outs, _scope_prefix_len(client))
+            sock = sockets[client]
             try:
-                if native_send and type(outs) is ColumnarOutputs:
-                    ext.send_columnar(handles[client], *encoder.columnar_args(outs))
+                if native_send and type(outs) is ColumnarOutputs and ext.send_columnar(
+                        handles[client], *encoder.columnar_args(outs), cap):
                     continue
                 # Buffers zmq has finished sending go back to the encoder.
                 while in_flight and in_flight[0][0].done:
                     encoder.release(in_flight.popleft()[1])
                 buf = encoder.encode(outs)
             except (TypeError, ValueError, OverflowError) as e:
-                buf = self._encode_one_by_one(encoder, client, outs, e)
-            sock = sockets[client]
+                logger.error("engine %d: outputs for front-end %d did not encode (%s); "
+                             "isolating", self.engine_index, client, e)
+                buf = None
+            if buf is None or len(buf) > cap:
+                for frame in self._split(client, outs, cap):
+                    sock.send(frame, copy=True)
+                continue
             if len(buf) < ZERO_COPY_THRESHOLD:
                 sock.send(buf, copy=True)
                 encoder.release(buf)
@@ -304,28 +314,47 @@ class EngineIO:
                 tracker = sock.send(buf, copy=False, track=True)
                 in_flight.append((tracker, buf))
 
-    def _encode_one_by_one(self, encoder: OutputEncoder, client: int, outs: Any,
-                           error: Exception) -> bytearray:
-        """A step's outputs did not encode: encode them one by one; each that fails
-        becomes an ERROR answer for its request, which the busy loop then ends."""
-        logger.error("engine %d: outputs for front-end %d did not encode (%s); isolating",
-                     self.engine_index, client, error)
-        kept, failed = [], []
-        check = msgspec.msgpack.Encoder().encode
+    def _split(self, client: int, outs: Any, cap: int) -> list[bytes]:
+        """A step's outputs that did not encode, or encode too large: one message
+        per output. An output that does not encode, or alone passes the cap, becomes
+        an ERROR answer for its request (which the busy loop then ends), and a
+        utility result likewise a failure: nothing is lost, nothing killed."""
+        encode = msgspec.msgpack.Encoder().encode
+        engine = outs.engine_index
+        if outs.utility_output is not None:
+            u = outs.utility_output
+            try:
+                frame = encode(outs)
+            except (TypeError, ValueError, OverflowError) as e:
+                frame, why = None, f"{type(e).__name__}: {e}"
+            else:
+                why = f"{len(frame)} bytes, over the {cap}-byte message cap"
+            if frame is None or len(frame) > cap:
+                frame = encode(EngineCoreOutputs(engine_index=engine, utility_output=UtilityOutput(
+                    u.call_id, f"the result could not be sent: {why}")))
+            return [frame]
+        frames, failed = [], []
+        stats = outs.scheduler_stats
         for out in outs.outputs:
             try:
-                check(out)
-                kept.append(out)
+                frame = encode(EngineCoreOutputs(engine_index=engine, outputs=[out]))
+                why = None if len(frame) <= cap else f"{len(frame)} bytes, over the {cap}-byte " \
+                                                     "message cap (zmq_max_message_bytes)"
             except (TypeError, ValueError, OverflowError) as e:
-                reason = f"its output could not be encoded: {type(e).__name__}: {e}"
-                kept.append(EngineCoreOutput(out.request_id, [], finish_reason=FinishReason.ERROR,
-                                             stop_reason=reason))
-                failed.append(scoped_id(client, out.request_id) if client > 0
-                              else out.request_id)
+                why = f"{type(e).__name__}: {e}"
+            if why is not None:
+                frame = encode(EngineCoreOutputs(engine_index=engine, outputs=[EngineCoreOutput(
+                    out.request_id, [], finish_reason=FinishReason.ERROR,
+                    stop_reason=f"its output could not be sent: {why}")]))
+                if out.finish_reason is None:
+                    failed.append(scoped_id(client, out.request_id) if client > 0
+                                  else out.request_id)
+            frames.append(frame)
+        if stats is not None:
+            frames.append(encode(EngineCoreOutputs(engine_index=engine, scheduler_stats=stats)))
         if failed:
             self.input_queue.put_nowait((FAIL_SILENTLY, failed))
-        return encoder.encode(EngineCoreOutputs(engine_index=outs.engine_index, outputs=kept,
-                                                scheduler_stats=outs.scheduler_stats))
+        return frames
 
 
 def _unscope(outs: Any, k: int) -> None:

@@ -7,9 +7,9 @@ runner is told to forget it) and becomes a suspect. The suspects are probed in
 halves: the scheduler runs only the probed group (``Scheduler.probe``) until
 each of its requests has passed the point where the batch failed. A group that
 passes is cleared; one that raises is split again. A single request that raises
-on its own is a culprit: if a dummy batch still runs (the executor itself is
-healthy), the culprit ends with ERROR and the exception's message, and serving
-goes on. A dummy batch that raises too means the executor is gone (a lost
+on its own twice (once could be a transient fault) is a culprit: if a dummy
+batch still runs (the executor itself is healthy), the culprit ends with ERROR
+and the exception's message, and serving goes on. A dummy batch that raises too means the executor is gone (a lost
 device): EXECUTOR_FAILED, the engine dies loudly. So does a failure that keeps
 coming back with no request to blame (``MAX_BLAMELESS_ROUNDS``: e.g. running out
 of device memory only at full batch size, which no smaller group reproduces).
@@ -47,6 +47,7 @@ class FaultIsolation:
         # request id -> num_computed_tokens it must reach to pass its probe
         self.targets: dict[str, int] = {}
         self.culprits = 0
+        self.strikes: dict[str, int] = {}  # times a request failed alone this round
         self.blameless_rounds = 0
         self._healthy_steps = 0
         self.num_rounds = 0
@@ -84,7 +85,12 @@ class FaultIsolation:
             logger.warning("engine: probing %d requests raised %s", len(self.current), reason)
         self.current = None
         if len(group) == 1:
-            self._convict(group[0], reason)
+            rid = group[0]
+            self.strikes[rid] = self.strikes.get(rid, 0) + 1
+            if self.strikes[rid] >= 2:
+                self._convict(rid, reason)
+            else:
+                self.groups.appendleft(group)  # once more, alone
         elif group:
             half = len(group) // 2
             self.groups.appendleft(group[half:])
@@ -127,6 +133,7 @@ class FaultIsolation:
         # Round over.
         scheduler.probe = None
         self.targets.clear()
+        self.strikes.clear()
         if self.culprits == 0:
             self.blameless_rounds += 1
             self._healthy_steps = 0

@@ -41,7 +41,7 @@ def signature_of(method: str) -> UtilitySignature:
         from enginecore.core.engine_core import EngineCore
 
         fn = getattr(EngineCore, method)
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)  # keeps the bounds
         params = [
             (p.name, hints.get(p.name, Any), p.default)
             for p in list(inspect.signature(fn).parameters.values())[1:]

@@ -131,12 +131,11 @@ class UniProcExecutor(Executor):
         return completed_future(output) if non_block else output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            with self._lock:
-                return self.runner.execute_model(scheduler_output)
-        except BaseException:
-            self._mark_failed()
-            raise
+        # An exception here is not the executor's death: the engine finds the
+        # request(s) that cause it (core/fault_isolation.py) and probes the device
+        # with a dummy batch before it gives up.
+        with self._lock:
+            return self.runner.execute_model(scheduler_output)
 
     def execute_dummy_batch(self) -> None:
         self.runner.dummy_forward(1)
