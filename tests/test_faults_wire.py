@@ -258,7 +258,7 @@ def replace_field(valid: bytes, index: int, value) -> bytes:
         return valid[:-1]
 
 
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=80, deadline=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
 

@@ -48,6 +48,8 @@ class FaultIsolation:
         self.targets: dict[str, int] = {}
         self.culprits = 0
         self.strikes: dict[str, int] = {}  # times a request failed alone this round
+        self.suspects: set[str] = set()  # this round's
+        self.cleared: set[str] = set()  # suspects that passed their probe
         self.blameless_rounds = 0
         self._healthy_steps = 0
         self.num_rounds = 0
@@ -76,6 +78,8 @@ class FaultIsolation:
         if self.current is None:  # a normal batch raised: a new round
             self.num_rounds += 1
             self.culprits = 0
+            self.suspects = set(suspects)
+            self.cleared = set()
             scheduler.preempt_all()  # the probes get the whole cache
             group = suspects
             logger.error("engine: a batch of %d requests raised %s; isolating the request(s) "
@@ -105,10 +109,15 @@ class FaultIsolation:
                 self.blameless_rounds = 0
             return
         requests = self.engine.scheduler.requests
+        passed = []
         for rid in self.current:
             request = requests.get(rid)
-            if request is not None and request.num_computed_tokens < self.targets.get(rid, 0):
+            if request is None:
+                continue  # ended meanwhile (an abort): neither cleared nor blamed
+            if request.num_computed_tokens < self.targets.get(rid, 0):
                 return
+            passed.append(rid)
+        self.cleared.update(passed)
         self.current = None
         self._next_group()
 
@@ -134,7 +143,12 @@ class FaultIsolation:
         scheduler.probe = None
         self.targets.clear()
         self.strikes.clear()
-        if self.culprits == 0:
+        if self.culprits:
+            self.blameless_rounds = 0  # the failure had a cause, and it is gone
+            logger.warning("engine: isolation round over; %d request(s) ended with ERROR",
+                           self.culprits)
+        elif self.suspects <= self.cleared:
+            # Every suspect ran fine on its own: the failure is no request's doing.
             self.blameless_rounds += 1
             self._healthy_steps = 0
             logger.error("engine: no single request makes the executor fail (blameless round "
@@ -144,8 +158,8 @@ class FaultIsolation:
                     f"EXECUTOR_FAILED: batches failed {self.blameless_rounds} times with no "
                     "request to blame (requests that ran fine before fail again)")
         else:
-            logger.warning("engine: isolation round over; %d request(s) ended with ERROR",
-                           self.culprits)
+            logger.warning("engine: isolation round over without a verdict (suspects ended "
+                           "before their probe)")
 
     def _convict(self, rid: str, reason: str) -> None:
         engine = self.engine
