@@ -100,3 +100,23 @@ def test_structured_outputs_on_both_paths_in_process(hot_path):
             structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])),
             use_tqdm=False)
     assert out.outputs[0].text in ("alpha", "beta")
+
+
+def test_bounds_and_a_pathological_constraint_through_llm_generate(llm):
+    """Issue 13: a SamplingParams changed after construction is refused before it is
+    sent; a regex whose masks cost ~15-50 ms each (it would slow every request on
+    the engine) is refused, while a sane constraint in the same batch is served.
+    (The temperature floor: test_faults_model.py.)"""
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=2**63)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    sp.max_tokens = 2**63
+    with pytest.raises(ValueError, match=r"sampling_params\.max_tokens"):
+        llm.generate("Hello", sp, use_tqdm=False)
+    outs = llm.generate(["Say a:", "Digits:"], [
+        SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+            regex="a{100000}")),
+        SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(
+            regex=r"\d{3}"))], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert len(outs[1].outputs[0].text) == 3 and outs[1].outputs[0].text.isdigit()
