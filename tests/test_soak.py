@@ -16,5 +16,6 @@ def test_soak_short():
     assert res.engine_deaths == 0
     assert res.lost == 0 and res.duplicates == 0 and res.wrong_tokens == 0, res
     assert res.requests > 500 and res.poisoned > 0 and res.raw_malformed > 0, res
-    assert res.by_reason.get("error", 0) > res.raw_malformed, res  # poisoned ones may be aborted first
+    # >: poisoned requests end with ERROR too (unless an abort came first)
+    assert res.by_reason.get("error", 0) > res.raw_malformed, res
     assert res.rss_end_mb - res.rss_start_mb < 40, res

@@ -169,5 +169,5 @@ def name_fields(error: Exception, cls: type) -> str:
     return f"{where}: {text[:m.start()]}{' (a key)' if m.group(1) else ''}"
 
 
-__all__ = ["INT64_MAX", "INT64_MIN", "Index16", "Int64", "NonNegInt64", "PositiveInt64", "check_bounds",
-           "finite", "name_fields"]
+__all__ = ["INT64_MAX", "INT64_MIN", "Index16", "Int64", "NonNegInt64", "PositiveInt64",
+           "check_bounds", "finite", "name_fields"]

@@ -9,14 +9,15 @@ each of its requests has passed the point where the batch failed. A group that
 passes is cleared; one that raises is split again. A single request that raises
 on its own twice (once could be a transient fault) is a culprit: if a dummy
 batch still runs (the executor itself is healthy), the culprit ends with ERROR
-and the exception's message, and serving goes on. A dummy batch that raises too means the executor is gone (a lost
-device): EXECUTOR_FAILED, the engine dies loudly. So does a failure that keeps
-coming back with no request to blame (``MAX_BLAMELESS_ROUNDS``: e.g. running out
-of device memory only at full batch size, which no smaller group reproduces).
+and the exception's message, and serving goes on. A dummy batch that raises too
+means the executor is gone (a lost device): EXECUTOR_FAILED, the engine dies
+loudly. So does a failure that keeps coming back with no request to blame
+(``MAX_BLAMELESS_ROUNDS``: e.g. running out of device memory only at full batch
+size, which no smaller group reproduces).
 
 Suspects are probed from a recompute, so the probe of a request runs the same
-tokens as the failed step. Requests that were not in the failed batch wait
-(new ones are queued) until the round is over.
+tokens as the failed step. Requests that were not in the failed batch wait (new
+ones are queued) until the round is over.
 """
 
 from __future__ import annotations

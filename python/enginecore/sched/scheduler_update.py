@@ -1,0 +1,257 @@
+"""The scheduler's results half (mixed into Scheduler): ``update_from_output``
+appends sampled tokens, applies the stop checks in vLLM's order, frees finished
+requests and builds each client's outputs (objects, or columns on the native
+process path). The plain-decode loop is native (csrc/scheduler_update.cpp);
+one request that makes either loop raise ends alone with ERROR."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from enginecore import _native
+from enginecore.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, Logprobs
+from enginecore.request import Request, RequestStatus
+from enginecore.sched.columnar_outputs import ColumnarOutputs
+from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class SchedulerUpdate:
+    """``self`` is the Scheduler."""
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Append sampled tokens, apply stop checks, free finished requests and
+        build the outputs for each client."""
+        requests = self.requests
+        sampled = model_output.sampled_token_ids
+        index_of = model_output.req_id_to_index
+        logprobs = model_output.logprobs
+        pooled = model_output.pooler_output
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        in_flight = self.in_flight if self.track_in_flight else None
+        outputs: dict[int, list[EngineCoreOutput]] = self.pending_outputs
+        self.pending_outputs = {}
+        stopped: list[Request] = []
+        # Native process path: plain decode outputs become two column appends.
+        columnar = self.columnar_outputs
+        cols: dict[int, ColumnarOutputs] = {}
+        if columnar:
+            for client, owed in outputs.items():
+                col = cols[client] = ColumnarOutputs()
+                for out in owed:
+                    col.append_output(out)
+            last_client = -1
+            col_ids: list[str | None] = []
+            col_toks: list = []
+
+        failed: list[tuple[str, str]] = []
+        ext = _native.extension()
+        if ext is not None and not spec and logprobs is None and pooled is None:
+            # Plain decodes: the per-request loop below, in C++ (csrc/scheduler_update.cpp).
+            ext.update_decodes(
+                requests, scheduler_output.num_scheduled_tokens, sampled, model_output.req_ids,
+                index_of, in_flight,
+                self.max_model_len, (_RUNNING, _LENGTH, _STOPPED), outputs,
+                cols if columnar else None, stopped, (EngineCoreOutput, ColumnarOutputs),
+                self._emit_finished, self._update_request, failed)
+            scheduled: Any = ()
+        else:
+            scheduled = scheduler_output.num_scheduled_tokens
+        for rid in scheduled:
+            # One request that makes this loop raise fails alone (ERROR), as in C++.
+            try:
+                if in_flight is not None:
+                    in_flight.discard(rid)
+                request = requests.get(rid)
+                if request is None or request.status != _RUNNING:
+                    continue  # aborted or preempted while its batch ran
+                i = index_of.get(rid)
+                if pooled is not None and i is not None and pooled[i] is not None:
+                    request.status = _STOPPED
+                    stopped.append(request)
+                    out = EngineCoreOutput(rid, [], finish_reason=FinishReason.STOP,
+                                           pooling_output=pooled[i])
+                    self._emit_any(outputs, cols, request, out)
+                    continue
+                new_token_ids = sampled[i] if i is not None else []
+                drafts = spec.get(rid)
+                if drafts:
+                    # Rejected drafts were counted as computed: take them back.
+                    request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                    self.spec_num_draft_tokens += len(drafts)
+                    self.spec_num_accepted_tokens += len(new_token_ids) - 1
+                if not new_token_ids:
+                    continue
+                if (len(new_token_ids) == 1 and request.grammar is None
+                        and (logprobs is None or logprobs[i] is None)):  # type: ignore[index]
+                    # A plain decode (the loop csrc/scheduler_update.cpp runs natively).
+                    request.append_output_token_ids(new_token_ids)
+                    if self._check_stop(request):
+                        stopped.append(request)
+                        self._emit_finished(request, rid, new_token_ids, outputs, cols)
+                    elif columnar:
+                        client = request.client_index
+                        if client != last_client:
+                            col = cols.get(client)
+                            if col is None:
+                                col = cols[client] = ColumnarOutputs()
+                            col_ids, col_toks = col.request_ids, col.new_token_ids
+                            last_client = client
+                        col_ids.append(rid)
+                        col_toks.append(new_token_ids)
+                    else:
+                        self._emit(outputs, request, EngineCoreOutput(rid, new_token_ids, None))
+                    continue
+                self._update_request(request, rid, new_token_ids,
+                                     None if logprobs is None
+                                     else logprobs[i],  # type: ignore[index]
+                                     outputs, cols, stopped)
+            except Exception as e:  # noqa: BLE001 - that request's failure only
+                failed.append((rid, f"{type(e).__name__}: {e}"))
+                if columnar:
+                    last_client = -1
+        if failed:
+            self._fail_updates(failed, outputs, cols, stopped)
+
+        if stopped:
+            gone = {id(r) for r in stopped}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for request in stopped:
+                self._free_request(request)
+
+        result: dict[int, Any] = cols if columnar else {
+            client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()
+        }
+        if self.log_stats:
+            stats = self.make_stats()
+            first = result.get(0) or next(iter(result.values()), None)
+            if first is None:
+                first = result[0] = ColumnarOutputs() if columnar else EngineCoreOutputs()
+            first.scheduler_stats = stats
+        return result
+
+    def _fail_updates(self, failed: list[tuple[str, str]],
+                      outputs: dict[int, list[EngineCoreOutput]],
+                      cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
+        """Requests whose update raised (both paths): each ends with ERROR and the
+        exception, once (one that got its finish before raising keeps it)."""
+        for rid, why in failed:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            logger.error("request %r: processing its step output raised %s; it ends with "
+                         "ERROR", rid, why)
+            client = request.client_index
+            owed = cols[client].specials if client in cols else outputs.get(client, ())
+            if any(o.request_id == rid and o.finish_reason is not None for o in owed):
+                continue
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"the engine could not process its output: {why}"
+            if all(r is not request for r in stopped):
+                stopped.append(request)
+            self._emit_any(outputs, cols, request, EngineCoreOutput(
+                rid, [], finish_reason=FinishReason.ERROR, stop_reason=request.stop_reason))
+
+    def _update_request(self, request: Request, rid: str, new_token_ids: list[int],
+                        lp: Any, outputs: dict[int, list[EngineCoreOutput]],
+                        cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
+        """A request that is not a plain decode: grammar, several tokens (spec
+        decode), logprobs. Shared by both paths."""
+        grammar = request.grammar
+        # A finished grammar allows only EOS, which it does not consume.
+        if (grammar is not None and request.grammar_error is None and not grammar.is_stopped()
+                and not grammar.consume_tokens(new_token_ids)):
+            request.grammar_error = (f"token {new_token_ids} rejected by its constraint: "
+                                     f"{grammar.get_error()}")
+        if request.grammar_error is not None:
+            logger.warning("request %r ends with ERROR: %s", rid, request.grammar_error)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = request.grammar_error
+            stopped.append(request)
+            self._emit_finished(request, rid, [], outputs, cols)
+            return
+        stop = False
+        kept = 0
+        for tok in new_token_ids:
+            request.append_output_token_ids([tok])
+            kept += 1
+            if self._check_stop(request):
+                stop = True
+                break
+        if kept < len(new_token_ids):
+            new_token_ids = new_token_ids[:kept]
+        new_logprobs = None
+        if lp is not None:
+            n = len(new_token_ids)
+            new_logprobs = Logprobs(lp[0][:n], lp[1][:n], lp[2][:n])
+        if stop:
+            stopped.append(request)
+            self._emit_finished(request, rid, new_token_ids, outputs, cols, new_logprobs)
+            return
+        out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
+        self._emit_any(outputs, cols, request, out)
+
+    def _emit_finished(self, request: Request, rid: str, new_token_ids: list[int],
+                       outputs: dict[int, list[EngineCoreOutput]],
+                       cols: dict[int, ColumnarOutputs], new_logprobs: Any = None) -> None:
+        out = EngineCoreOutput(
+            rid, new_token_ids, new_logprobs, RequestStatus.finish_reason(request.status),
+            request.stop_reason, max(request.num_cached_tokens, 0))
+        self._emit_any(outputs, cols, request, out)
+
+    def _emit_any(self, outputs: dict[int, list[EngineCoreOutput]],
+                  cols: dict[int, ColumnarOutputs], request: Request,
+                  out: EngineCoreOutput) -> None:
+        """An output object, into the columns or the object lists (whichever this
+        step builds)."""
+        if self.columnar_outputs:
+            self._emit_columnar(cols, request, out)
+        else:
+            self._emit(outputs, request, out)
+
+    @staticmethod
+    def _emit_columnar(cols: dict[int, ColumnarOutputs], request: Request,
+                       out: EngineCoreOutput) -> None:
+        col = cols.get(request.client_index)
+        if col is None:
+            col = cols[request.client_index] = ColumnarOutputs()
+        col.append_output(out)
+
+    @staticmethod
+    def _emit(outputs: dict[int, list[EngineCoreOutput]], request: Request,
+              out: EngineCoreOutput) -> None:
+        client_outputs = outputs.get(request.client_index)
+        if client_outputs is None:
+            outputs[request.client_index] = [out]
+        else:
+            client_outputs.append(out)
+
+    def take_pending_outputs(self) -> dict[int, EngineCoreOutputs]:
+        """Outputs owed outside a model step (aborts, rejections)."""
+        pending, self.pending_outputs = self.pending_outputs, {}
+        return {client: EngineCoreOutputs(outputs=outs) for client, outs in pending.items()}
+
+    def _check_stop(self, request: Request) -> bool:
+        n_out = len(request.output_token_ids)
+        if len(request.all_token_ids) >= self.max_model_len or n_out >= request.max_tokens:
+            request.status = _LENGTH
+            return True
+        if n_out < request.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if last == request.eos_token_id and not request.ignore_eos:
+            request.status = _STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = _STOPPED
+            request.stop_reason = last
+            return True
+        return False
