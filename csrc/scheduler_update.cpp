@@ -271,61 +271,7 @@ std::string describe(py::error_already_set& e) {
   return type + ": " + value;
 }
 
-// One request's update (the loop body of update_decodes).
-void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index_of,
-                PyObject* sampled, PyObject* req_ids, Py_ssize_t num_answered,
-                PyObject* in_flight_set, long long max_model_len, PyObject* running,
-                PyObject* length, PyObject* stopped, PyObject* output_type,
-                PyObject* columnar_type, bool columnar, PyObject* outputs, PyObject* cols,
-                PyObject* stopped_list, PyObject* emit_finished, PyObject* update_request,
-                PyObject*& last, PyObject*& col_ids, PyObject*& col_toks);
-
-void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py::list req_ids,
-                    py::dict index_of,
-                    py::object in_flight, long long max_model_len, py::tuple statuses,
-                    py::dict outputs, py::object cols, py::list stopped_list, py::tuple types,
-                    py::object emit_finished, py::object update_request, py::list failed) {
-  PyObject* running = statuses[0].ptr();
-  PyObject* length = statuses[1].ptr();
-  PyObject* stopped = statuses[2].ptr();
-  PyObject* output_type = types[0].ptr();
-  PyObject* columnar_type = types[1].ptr();
-  const bool columnar = !cols.is_none();
-  PyObject* in_flight_set = in_flight.is_none() ? nullptr : in_flight.ptr();
-  // The current client's columns (columnar).
-  struct Holder {
-    PyObject* p = nullptr;
-    ~Holder() { Py_XDECREF(p); }
-  } last;
-  PyObject* col_ids = nullptr;  // borrowed from the ColumnarOutputs, kept alive by cols
-  PyObject* col_toks = nullptr;
-
-  PyObject *rid, *value;
-  Py_ssize_t pos = 0;
-  // The runner answers in schedule order as a rule: req_ids[k] is the k-th
-  // scheduled request, and its index needs no dict lookup.
-  const Py_ssize_t num_answered = PyList_GET_SIZE(req_ids.ptr());
-  for (Py_ssize_t k = 0; PyDict_Next(scheduled.ptr(), &pos, &rid, &value); ++k) {
-    // One request that makes this loop raise fails alone: it is handed back
-    // (id, "Type: message") and the scheduler ends it with ERROR.
-    try {
-      update_one(rid, k, requests.ptr(), index_of.ptr(), sampled.ptr(), req_ids.ptr(),
-                 num_answered, in_flight_set, max_model_len, running, length, stopped,
-                 output_type, columnar_type, columnar, outputs.ptr(), cols.ptr(),
-                 stopped_list.ptr(), emit_finished.ptr(), update_request.ptr(), last.p, col_ids,
-                 col_toks);
-    } catch (py::error_already_set& e) {
-      failed.append(py::make_tuple(py::handle(rid), describe(e)));
-      Py_XDECREF(last.p);  // the column cursor may be half set: start afresh
-      last.p = nullptr;
-    } catch (const std::exception& e) {
-      failed.append(py::make_tuple(py::handle(rid), std::string("RuntimeError: ") + e.what()));
-      Py_XDECREF(last.p);
-      last.p = nullptr;
-    }
-  }
-}
-
+// One request's update: the loop body of update_decodes.
 void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index_of,
                 PyObject* sampled, PyObject* req_ids, Py_ssize_t num_answered,
                 PyObject* in_flight_set, long long max_model_len, PyObject* running,
@@ -426,6 +372,52 @@ void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index
     if (PyDict_SetItem(outputs, client.p, fresh.p) != 0) throw py::error_already_set();
   } else {
     append(lst, out.p);
+  }
+}
+
+void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py::list req_ids,
+                    py::dict index_of,
+                    py::object in_flight, long long max_model_len, py::tuple statuses,
+                    py::dict outputs, py::object cols, py::list stopped_list, py::tuple types,
+                    py::object emit_finished, py::object update_request, py::list failed) {
+  PyObject* running = statuses[0].ptr();
+  PyObject* length = statuses[1].ptr();
+  PyObject* stopped = statuses[2].ptr();
+  PyObject* output_type = types[0].ptr();
+  PyObject* columnar_type = types[1].ptr();
+  const bool columnar = !cols.is_none();
+  PyObject* in_flight_set = in_flight.is_none() ? nullptr : in_flight.ptr();
+  // The current client's columns (columnar).
+  struct Holder {
+    PyObject* p = nullptr;
+    ~Holder() { Py_XDECREF(p); }
+  } last;
+  PyObject* col_ids = nullptr;  // borrowed from the ColumnarOutputs, kept alive by cols
+  PyObject* col_toks = nullptr;
+
+  PyObject *rid, *value;
+  Py_ssize_t pos = 0;
+  // The runner answers in schedule order as a rule: req_ids[k] is the k-th
+  // scheduled request, and its index needs no dict lookup.
+  const Py_ssize_t num_answered = PyList_GET_SIZE(req_ids.ptr());
+  for (Py_ssize_t k = 0; PyDict_Next(scheduled.ptr(), &pos, &rid, &value); ++k) {
+    // One request that makes this loop raise fails alone: it is handed back
+    // (id, "Type: message") and the scheduler ends it with ERROR.
+    try {
+      update_one(rid, k, requests.ptr(), index_of.ptr(), sampled.ptr(), req_ids.ptr(),
+                 num_answered, in_flight_set, max_model_len, running, length, stopped,
+                 output_type, columnar_type, columnar, outputs.ptr(), cols.ptr(),
+                 stopped_list.ptr(), emit_finished.ptr(), update_request.ptr(), last.p, col_ids,
+                 col_toks);
+    } catch (py::error_already_set& e) {
+      failed.append(py::make_tuple(py::handle(rid), describe(e)));
+      Py_XDECREF(last.p);  // the column cursor may be half set: start afresh
+      last.p = nullptr;
+    } catch (const std::exception& e) {
+      failed.append(py::make_tuple(py::handle(rid), std::string("RuntimeError: ") + e.what()));
+      Py_XDECREF(last.p);
+      last.p = nullptr;
+    }
   }
 }
 
