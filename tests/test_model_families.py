@@ -14,6 +14,9 @@ from test_model_llama import PROMPTS, engine_tokens
 from tiny_models import hf_greedy, hf_logits, make_tiny_model
 
 FAMILIES = ["qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe"]
+# A KV cache the size these tests need: the CPU default (a quarter of free RAM, up to
+# 4 GiB) is millions of tiny-model blocks, seconds of start-up each.
+FEW_BLOCKS = {"num_gpu_blocks_override": 512}
 # Phi-3's tiny LongRoPE covers 64 positions (original_max_position_embeddings).
 EXTRA = {"phi3": {"max_model_len": 64}}
 
@@ -33,7 +36,7 @@ def family_model(tmp_path_factory):
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_greedy_matches_transformers(family_model, kind, hot_path):
     model_dir = family_model(kind)
-    eng, got = engine_tokens(model_dir, **EXTRA.get(kind, {}))
+    eng, got = engine_tokens(model_dir, **FEW_BLOCKS, **EXTRA.get(kind, {}))
     assert eng.model_executor.runner.arch.family == kind
     assert got == {rid: hf_greedy(model_dir, p, 12) for rid, p in PROMPTS.items()}
     assert eng.scheduler.kv_cache_manager.make_prefix_cache_stats().hits >= 16
@@ -41,7 +44,7 @@ def test_greedy_matches_transformers(family_model, kind, hot_path):
 
 def logprob_rows(model_dir: str, prompt: list[int], n: int, **kw):
     eng = EngineCore(EngineArgs(model=model_dir, dtype="float32", block_size=4,
-                                max_model_len=128, **kw).create_engine_config())
+                                max_model_len=128, **FEW_BLOCKS, **kw).create_engine_config())
     eng.add_request(EngineCoreRequest("l", prompt, SamplingParams(
         max_tokens=n, temperature=0, logprobs=5, ignore_eos=True)))
     rows = []
@@ -69,7 +72,7 @@ def test_gemma2_final_soft_cap_shows_in_logprobs(family_model):
 
 def test_longrope_limit(family_model):
     model_dir = family_model("phi3")
-    cfg = EngineArgs(model=model_dir, dtype="float32").create_engine_config()
+    cfg = EngineArgs(model=model_dir, dtype="float32", **FEW_BLOCKS).create_engine_config()
     assert cfg.model_config.max_model_len == 64  # capped at the short factors' range
     with pytest.raises(ValueError, match="LongRoPE.*original_max_position_embeddings=64"):
         EngineArgs(model=model_dir, max_model_len=128).create_engine_config()
@@ -78,7 +81,7 @@ def test_longrope_limit(family_model):
 @pytest.mark.parametrize("kind", ["gemma2", "qwen3_moe"])
 def test_bfloat16_runs_and_mostly_agrees(family_model, kind):
     model_dir = family_model(kind)
-    _, got = engine_tokens(model_dir, dtype="bfloat16")
+    _, got = engine_tokens(model_dir, dtype="bfloat16", **FEW_BLOCKS)
     expected = {rid: hf_greedy(model_dir, p, 12) for rid, p in PROMPTS.items()}
     assert sum(got[r][0] == expected[r][0] for r in PROMPTS) >= 4
 
@@ -86,7 +89,8 @@ def test_bfloat16_runs_and_mostly_agrees(family_model, kind):
 def test_moe_is_detected_and_dp2_lockstep_gives_dp1_tokens(family_model, hot_path):
     model_dir = family_model("qwen3_moe")
     prompts = {f"m{i}": [3 + i, 9, 27, 4 + i % 5, 11] for i in range(6)}
-    args = dict(model=model_dir, dtype="float32", device="cpu", block_size=4, max_model_len=64)
+    args = dict(model=model_dir, dtype="float32", device="cpu", block_size=4, max_model_len=64,
+                **FEW_BLOCKS)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
     one = EngineCore(EngineArgs(**args).create_engine_config())  # DP=1
