@@ -193,8 +193,15 @@ class UniProcExecutor(Executor):
         return value
 
     def _rpc_device_info(self) -> dict[str, Any]:
-        return {"device": str(self.runner.device), "dtype": str(self.runner.dtype),
-                "torch_threads": torch.get_num_threads()}
+        """Where this rank runs: device, dtype, and on CUDA which GPU it sees."""
+        info = {"device": str(self.runner.device), "dtype": str(self.runner.dtype),
+                "torch_threads": torch.get_num_threads(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        if self.runner.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.runner.device)
+            info |= {"cuda_device_name": props.name, "cuda_device_uuid": str(props.uuid),
+                     "cuda_device_count": torch.cuda.device_count()}
+        return info
 
     def save_sharded_state(
         self, path: str, pattern: str | None = None, max_size: int | None = None
