@@ -129,9 +129,9 @@ def main() -> None:
                   f"tok/s, ratio {t_hf / t_ec:.2f}x, first tokens agree {first:.0%}", flush=True)
         eng.shutdown()
     device_name = (torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu")
-    result = dict(device=device_name, torch=torch.__version__, transformers=transformers.__version__,
-                  dtype=a.dtype, shape=a.shape, prompt_len=a.prompt_len,
-                  output_len=a.output_len, rows=rows)
+    result = dict(device=device_name, torch=torch.__version__,
+                  transformers=transformers.__version__, dtype=a.dtype, shape=a.shape,
+                  prompt_len=a.prompt_len, output_len=a.output_len, rows=rows)
     with open(os.path.join(a.out, "throughput.json"), "w") as f:
         json.dump(result, f, indent=2)
     with open(os.path.join(a.out, "throughput.md"), "w") as f:

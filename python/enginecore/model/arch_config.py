@@ -5,15 +5,20 @@ them is expressed here as data, following each family's transformers
 implementation (its config defaults included), so the decoder only branches
 on fields:
 
-| family | differences from Llama |
-|---|---|
-| Mistral | sliding window on every layer (``sliding_window``) |
-| Qwen2 | q/k/v bias; sliding window on layers >= ``max_window_layers`` if ``use_sliding_window`` |
-| Qwen3 | RMSNorm of each q and k head before RoPE; windows as Qwen2 |
-| Gemma 2 | embeddings times sqrt(hidden); RMSNorm scales by (1 + w) in float32; norms after attention and around the MLP; attention scale ``query_pre_attn_scalar``; tanh soft-capping of attention scores and of final logits; sliding window on alternate layers; gelu (tanh) |
-| Phi-3 | fused ``qkv_proj`` / ``gate_up_proj`` tensors; partial rotary; LongRoPE (``longrope``/``su``) |
-| Mixtral | Mistral attention; sparse MoE MLP (softmax, top-k, renormalised, float32 weights) |
-| Qwen3-MoE | Qwen3 attention; sparse MoE MLP (``norm_topk_prob``, weights in the model dtype), dense layers per ``mlp_only_layers`` / ``decoder_sparse_step`` |
+- Mistral: sliding window on every layer (``sliding_window``).
+- Qwen2: q/k/v bias; sliding window on layers >= ``max_window_layers`` when
+  ``use_sliding_window``.
+- Qwen3: RMSNorm of each q and k head before RoPE; windows as Qwen2.
+- Gemma 2: embeddings times sqrt(hidden); RMSNorm scales by (1 + w) in float32;
+  norms after attention and around the MLP; attention scale
+  ``query_pre_attn_scalar``; tanh soft-capping of attention scores and of the
+  final logits; sliding window on alternate layers; gelu (tanh).
+- Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` tensors; partial rotary; LongRoPE
+  (``longrope``/``su``).
+- Mixtral: Mistral attention; sparse MoE MLP (softmax, top-k, renormalised,
+  float32 weights).
+- Qwen3-MoE: Qwen3 attention; sparse MoE MLP (``norm_topk_prob``, weights in the
+  model dtype), dense layers per ``mlp_only_layers`` / ``decoder_sparse_step``.
 """
 
 from __future__ import annotations
