@@ -12,9 +12,21 @@
 #
 # Dry run without a GPU: ENGINECORE_GPU_CHECK_ON_CPU=1 make gpu-check runs the same
 # steps on the CPU (the CUDA tests on the CPU, a tiny throughput case).
+#
+# For a CUDA machine without a network whose image has torch, transformers, pytest,
+# scikit-build-core and pybind11 but not our other packages: run
+# `bash bench/gpu_check.sh --fetch-wheels` where PyPI is reachable; it puts the
+# CPython 3.12 manylinux wheels of those packages into .whl/ (git-ignored), which the
+# check then installs from with --no-index (carry .whl along).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+if [[ ${1:-} == --fetch-wheels ]]; then
+  exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    msgspec pyzmq gguf llguidance
+fi
 RESULTS=${OUT:-$ROOT/gpu-check-results}
 mkdir -p "$RESULTS"
 LOG=$RESULTS/gpu_check.log
@@ -57,7 +69,10 @@ if $PY -c 'import sys, sysconfig, os; sys.exit(not (sys.prefix == sys.base_prefi
     os.path.exists(os.path.join(sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED"))))'; then
   PIP+=(--break-system-packages)
 fi
-[[ -d .whl ]] && PIP+=(--find-links "$ROOT/.whl")
+# Carried wheels: install from them alone (without a network pip would spend minutes
+# retrying the index).
+PIP_DEPS=("${PIP[@]}")
+[[ -d .whl ]] && PIP_DEPS+=(--no-index --find-links "$ROOT/.whl")
 
 # -- torch ----------------------------------------------------------------------------
 if ! $PY -c 'import torch' 2>/dev/null; then
@@ -84,7 +99,7 @@ for pair in msgspec:msgspec zmq:pyzmq safetensors:safetensors tokenizers:tokeniz
     huggingface_hub:huggingface_hub transformers:transformers pytest:pytest; do
   $PY -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair#*:}")
 done
-((${#missing[@]})) && step deps "${PIP[@]}" "${missing[@]}"
+((${#missing[@]})) && step deps "${PIP_DEPS[@]}" "${missing[@]}"
 
 # -- enginecore itself (the C++ extension builds from source) -----------------------
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
