@@ -15,6 +15,7 @@ import multiprocessing
 import multiprocessing.connection
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,9 +51,9 @@ from enginecore.transport import (
 
 logger = logging.getLogger(__name__)
 
+
 def _shut_down() -> EngineDeadError:
     return EngineDeadError("the client was shut down")
-
 
 
 _ADD = EngineCoreRequestType.ADD.value
@@ -438,6 +439,7 @@ class SyncMPClient(ElasticScaling, MPClient):
                 if self._closed:
                     break
                 logger.exception("client %d: output socket error", self.client_index)
+                time.sleep(0.01)  # not a hot loop if the error persists
                 continue
             if not self._on_frame(frame.buffer, self.outputs_queue.put_nowait):
                 break
