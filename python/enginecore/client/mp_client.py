@@ -535,3 +535,17 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
         if task is not None and not task.done():
             task.cancel()
         super().shutdown()
+        self._close_async_sockets()  # a front-end attached in process never gets there
+
+    def _close_sockets(self) -> None:
+        self._close_async_sockets()
+        super()._close_sockets()
+
+    def _close_async_sockets(self) -> None:
+        """Close the asyncio wrappers before their context: closing takes their fds
+        off the event loop's selector. Destroying the context alone left them
+        registered, and the next client on the same loop, given the same fd
+        numbers, never heard its engine."""
+        for sock in (getattr(self, "_ainput", None), getattr(self, "_aoutput", None)):
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)

@@ -339,7 +339,9 @@ class AsyncLLM:
     # -- shutdown ----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the output handler and the client (the engines too, if this
-        front-end started them). Open streams get EngineDeadError."""
+        front-end started them). Open streams get EngineDeadError. Call it on the
+        event loop's thread (or after the loop has ended): asyncio tasks are not
+        thread-safe."""
         if self._shutdown:
             return
         self._shutdown = True

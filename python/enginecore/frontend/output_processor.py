@@ -79,7 +79,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None, log_stats: bool = False) -> None:
         self.tokenizer = tokenizer
         self.log_stats = log_stats
-        self.detokenizers = DetokenizerFactory(tokenizer) if tokenizer is not None else None
+        self.detokenizers = (DetokenizerFactory.for_tokenizer(tokenizer) if tokenizer is not None
+                             else None)
         self._loop = _native.step_loop()
         self.request_states: dict[str, Any] = {}  # engine request id -> RequestState
         self.parent_requests: dict[str, ParentRequest] = {}  # caller id -> parent (n > 1)

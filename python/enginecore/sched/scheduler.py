@@ -76,6 +76,7 @@ class Scheduler:
         num_blocks: int,
         *,
         log_stats: bool = False,
+        log_iteration_details: bool = False,
         track_in_flight: bool = False,
     ) -> None:
         sc = config.scheduler_config
@@ -88,6 +89,7 @@ class Scheduler:
         self.policy = SchedulingPolicy(sc.scheduling_policy)
         self.block_size = config.cache_config.block_size
         self.log_stats = log_stats
+        self.log_iteration_details = log_stats and log_iteration_details
         lc = config.lora_config
         # At most max_loras distinct adapters run at once (the runner's slots).
         self.max_loras = lc.max_loras if lc.enable_lora else 0
@@ -386,7 +388,7 @@ class Scheduler:
         self.preempted_req_ids = set()
         if self.track_in_flight:
             in_flight.update(num_scheduled_tokens)
-        if self.log_stats:
+        if self.log_iteration_details:
             self.last_iteration = self._iteration_details(output, scheduled_new, len(preempted))
         return output
 
