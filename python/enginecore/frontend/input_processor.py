@@ -239,7 +239,8 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(
             normalize_messages(messages), add_generation_prompt, tools=tools,
             documents=documents, chat_template=chat_template,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)
         return {"prompt": text,
                 "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 

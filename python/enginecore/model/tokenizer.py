@@ -82,11 +82,11 @@ class Tokenizer:
         documents: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         continue_final_message: bool = False,
-        **template_kwargs: Any,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render a conversation with the model's chat template (or ``chat_template``)
         in jinja2's immutable sandbox, as transformers does: ``tools``, ``documents``
-        and any extra ``template_kwargs`` are template variables.
+        and the entries of ``chat_template_kwargs`` are template variables.
         ``continue_final_message`` ends the text inside the last message (to be
         continued) instead of closing it."""
         source = chat_template or self.chat_template
@@ -98,6 +98,7 @@ class Tokenizer:
         template = self._compiled.get(source)
         if template is None:
             template = self._compiled[source] = _sandbox().from_string(source)
+        template_kwargs = chat_template_kwargs or {}
         reserved = {"messages", "add_generation_prompt", "tools", "documents"}
         clash = reserved & set(template_kwargs)
         if clash:
