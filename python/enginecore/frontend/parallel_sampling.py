@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from enginecore.outputs import CompletionOutput, RequestMetrics
+from enginecore.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from enginecore.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -56,3 +56,36 @@ class ParentRequest:
     @property
     def streaming(self) -> bool:
         return self.output_kind != RequestOutputKind.FINAL_ONLY
+
+
+def emit_parent_outputs(parents: list[ParentRequest], now: float, returned: list) -> None:
+    """After a step's loop (both twins): one RequestOutput per parent that had
+    news, into its queue or ``returned``. Per parent, not per token: not compiled."""
+    for parent in parents:
+        parent.touched = False
+        finished = parent.num_unfinished == 0
+        if parent.output_kind == RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                continue
+            comps = list(parent.final)
+        else:
+            comps = sorted(parent.step_outputs, key=_index)
+            parent.step_outputs = []
+            if not comps:
+                continue
+        pm = parent.metrics
+        if pm.first_token_ts is None:
+            pm.first_token_ts = now
+        pm.last_token_ts = now
+        if finished:
+            pm.finished_ts = now
+        out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps,
+                            finished, parent.num_cached_tokens, pm, parent.lora_request)
+        if parent.queue is not None:
+            parent.queue.put(out)
+        else:
+            returned.append(out)
+
+
+def _index(comp: CompletionOutput) -> int:
+    return comp.index

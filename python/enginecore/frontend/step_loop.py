@@ -31,6 +31,7 @@ from enginecore.outputs import (
     Logprob,
     RequestOutput,
 )
+from enginecore.frontend.parallel_sampling import emit_parent_outputs
 from enginecore.protocol import EngineCoreEventType, FinishReason
 
 _CUMULATIVE, _DELTA, _FINAL_ONLY = 0, 1, 2
@@ -197,7 +198,8 @@ def _completion(st, released, finish_name, stop_reason, finished):
                             finish_name, stop_reason)
 
 
-def _note_events(m, events):
+def note_events(m, events):
+    """Scheduling events into the request's timing (shared by both twins: rare)."""
     for ev in events:
         if ev.type == _QUEUED:
             m.queued_ts = ev.timestamp
@@ -208,7 +210,8 @@ def _note_events(m, events):
             m.num_preemptions += 1
 
 
-def _pooling_output(st, o, finish):
+def pooling_output(st, o, finish):
+    """A pooling request's one output (shared by both twins: once per request)."""
     error = None if o.pooling_output is not None else (
         o.stop_reason if isinstance(o.stop_reason, str) else None)
     return EmbeddingRequestOutput(
@@ -230,7 +233,7 @@ def process_outputs(states, outputs, now, iteration):
             continue  # finished or aborted here already
         m = st.metrics
         if o.events is not None:
-            _note_events(m, o.events)
+            note_events(m, o.events)
         new_ids = o.new_token_ids
         finish = o.finish_reason
         if new_ids:
@@ -252,7 +255,7 @@ def process_outputs(states, outputs, now, iteration):
         if st.pooling:
             del states[o.request_id]
             m.finished_ts = now
-            out = _pooling_output(st, o, finish)
+            out = pooling_output(st, o, finish)
             if iteration is not None:
                 iteration.finished.append((m, out.finish_reason, len(st.prompt_token_ids)))
             if st.queue is not None:
@@ -298,32 +301,7 @@ def process_outputs(states, outputs, now, iteration):
         if not parent.touched:
             parent.touched = True
             parents.append(parent)
-    for parent in parents:
-        parent.touched = False
-        finished = parent.num_unfinished == 0
-        if parent.output_kind == _FINAL_ONLY:
-            if not finished:
-                continue
-            comps = list(parent.final)
-        else:
-            comps = sorted(parent.step_outputs, key=_index)
-            parent.step_outputs = []
-            if not comps:
-                continue
-        pm = parent.metrics
-        if pm.first_token_ts is None:
-            pm.first_token_ts = now
-        pm.last_token_ts = now
-        if finished:
-            pm.finished_ts = now
-        out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps,
-                            finished, parent.num_cached_tokens, pm, parent.lora_request)
-        if parent.queue is not None:
-            parent.queue.put(out)
-        else:
-            returned.append(out)
+    if parents:
+        emit_parent_outputs(parents, now, returned)
     return returned, aborts
 
-
-def _index(comp):
-    return comp.index

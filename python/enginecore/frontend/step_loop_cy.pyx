@@ -10,14 +10,11 @@ output objects are shared with the Python twin. The module is not named
 ``step_loop``: an extension module of that name would shadow the ``.py`` file.
 """
 
-from enginecore.outputs import (
-    CompletionOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    Logprob,
-    RequestOutput,
-)
-from enginecore.protocol import EngineCoreEventType, FinishReason
+from enginecore.frontend.parallel_sampling import emit_parent_outputs
+# Off the per-token path (once per request or rare): shared with the Python twin.
+from enginecore.frontend.step_loop import note_events, pooling_output
+from enginecore.outputs import CompletionOutput, Logprob, RequestOutput
+from enginecore.protocol import FinishReason
 
 cdef int _CUMULATIVE = 0
 cdef int _DELTA = 1
@@ -25,8 +22,6 @@ cdef int _FINAL_ONLY = 2
 cdef object _STOP = FinishReason.STOP
 cdef dict _FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                            FinishReason.ABORT: "abort", FinishReason.ERROR: "error"}
-cdef object _QUEUED = EngineCoreEventType.QUEUED
-cdef object _SCHEDULED = EngineCoreEventType.SCHEDULED
 
 
 cdef class RequestState:
@@ -233,26 +228,6 @@ cdef object _completion(RequestState st, str released, object finish_name, objec
                             finish_name, stop_reason)
 
 
-cdef void _note_events(object m, object events) except *:
-    for ev in events:
-        if ev.type == _QUEUED:
-            m.queued_ts = ev.timestamp
-        elif ev.type == _SCHEDULED:
-            if m.scheduled_ts is None:
-                m.scheduled_ts = ev.timestamp
-        else:
-            m.num_preemptions += 1
-
-
-cdef object _pooling_output(RequestState st, object o, object finish):
-    error = None if o.pooling_output is not None else (
-        o.stop_reason if isinstance(o.stop_reason, str) else None)
-    return EmbeddingRequestOutput(
-        st.external_id, st.prompt, st.prompt_token_ids,
-        None if o.pooling_output is None else EmbeddingOutput(o.pooling_output),
-        True, _FINISH_NAMES[finish], error, st.metrics)
-
-
 def process_outputs(dict states, list outputs, double now, object iteration):
     """One step. ``states``: engine request id -> RequestState (finished ones are
     removed); ``iteration``: an IterationStats to fill, or None. Returns
@@ -274,7 +249,7 @@ def process_outputs(dict states, list outputs, double now, object iteration):
         m = st.metrics
         events = o.events
         if events is not None:
-            _note_events(m, events)
+            note_events(m, events)
         new_ids = o.new_token_ids
         finish = o.finish_reason
         n_new = len(new_ids)
@@ -296,7 +271,7 @@ def process_outputs(dict states, list outputs, double now, object iteration):
         if st.pooling:
             del states[o.request_id]
             m.finished_ts = now
-            out = _pooling_output(st, o, finish)
+            out = pooling_output(st, o, finish)
             if has_iter:
                 iteration.finished.append((m, out.finish_reason, len(st.prompt_token_ids)))
             if st.queue is not None:
@@ -343,32 +318,7 @@ def process_outputs(dict states, list outputs, double now, object iteration):
         if not parent.touched:
             parent.touched = True
             parents.append(parent)
-    for parent in parents:
-        parent.touched = False
-        finished = parent.num_unfinished == 0
-        if parent.output_kind == _FINAL_ONLY:
-            if not finished:
-                continue
-            comps = list(parent.final)
-        else:
-            comps = sorted(parent.step_outputs, key=_index)
-            parent.step_outputs = []
-            if not comps:
-                continue
-        pm = parent.metrics
-        if pm.first_token_ts is None:
-            pm.first_token_ts = now
-        pm.last_token_ts = now
-        if finished:
-            pm.finished_ts = now
-        out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps,
-                            finished, parent.num_cached_tokens, pm, parent.lora_request)
-        if parent.queue is not None:
-            parent.queue.put(out)
-        else:
-            returned.append(out)
+    if parents:
+        emit_parent_outputs(parents, now, returned)
     return returned, aborts
 
-
-def _index(comp):
-    return comp.index
