@@ -1,22 +1,26 @@
 """User-facing results, shaped like vLLM's ``RequestOutput`` (offline ``LLM`` and
-``AsyncLLM`` streams alike)."""
+``AsyncLLM`` streams alike).
+
+msgspec Structs rather than dataclasses: the front-end's per-step loop makes one
+``RequestOutput`` and one ``CompletionOutput`` per stream per step, and a
+Struct's constructor and attributes are C (a dataclass ``__init__`` is a Python
+frame per object). They are mutable, compare by value and have the same fields.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from enginecore.protocol import FinishReason, LoRARequest
 
 
-@dataclass
-class Logprob:
+class Logprob(msgspec.Struct, gc=False):
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
 
 
-@dataclass
-class CompletionOutput:
+class CompletionOutput(msgspec.Struct, gc=False):
     index: int
     text: str
     token_ids: list[int]
@@ -32,8 +36,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class RequestMetrics:
+class RequestMetrics(msgspec.Struct, gc=False):
     """Timing of one request. ``arrival_time`` is wall-clock (``time.time()``); the
     ``*_ts`` fields are ``time.monotonic()`` (queued / scheduled come from the engine
     process, whose monotonic clock is the same on one machine; they are set only
@@ -64,12 +67,11 @@ class RequestMetrics:
         return self.scheduled_ts - self.queued_ts
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(msgspec.Struct, gc=False):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
+    outputs: list[CompletionOutput] = []
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
@@ -103,13 +105,11 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
 
 
-@dataclass
-class EmbeddingOutput:
+class EmbeddingOutput(msgspec.Struct, gc=False):
     embedding: list[float]
 
 
-@dataclass
-class EmbeddingRequestOutput:
+class EmbeddingRequestOutput(msgspec.Struct, gc=False):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -134,16 +134,11 @@ class OutputProcessor:
         """One engine step's outputs, in one pass."""
         if now is None:
             now = time.monotonic()
-        returned, aborts = self._loop.process_outputs(self.request_states, outputs, now,
-                                                      iteration)
-        self._forget_finished(outputs)
+        returned, aborts, finished = self._loop.process_outputs(self.request_states, outputs,
+                                                                now, iteration)
+        for rid in finished:
+            self._forget_engine_id(rid)
         return OutputProcessorOutput(returned, aborts)
-
-    def _forget_finished(self, outputs: list[EngineCoreOutput]) -> None:
-        states = self.request_states
-        for o in outputs:
-            if o.request_id not in states:
-                self._forget_engine_id(o.request_id)
 
     def _forget_engine_id(self, rid: str) -> None:
         external = self._caller_of.pop(rid, None)

@@ -223,9 +223,11 @@ def pooling_output(st, o, finish):
 def process_outputs(states, outputs, now, iteration):
     """One step. ``states``: engine request id -> RequestState (finished ones are
     removed); ``iteration``: an IterationStats to fill, or None. Returns
-    (outputs of requests without a queue, engine ids to abort)."""
+    (outputs of requests without a queue, engine ids to abort, engine ids that
+    finished)."""
     returned = []
     aborts = []
+    finished_ids = []
     parents = []
     for o in outputs:
         st = states.get(o.request_id)
@@ -254,6 +256,7 @@ def process_outputs(states, outputs, now, iteration):
             continue  # scheduling events only
         if st.pooling:
             del states[o.request_id]
+            finished_ids.append(o.request_id)
             m.finished_ts = now
             out = pooling_output(st, o, finish)
             if iteration is not None:
@@ -276,6 +279,7 @@ def process_outputs(states, outputs, now, iteration):
         if finished:
             finish_name = _FINISH_NAMES[finish]
             del states[o.request_id]
+            finished_ids.append(o.request_id)
             m.finished_ts = now
             if iteration is not None:
                 iteration.finished.append((m, finish_name, len(st.prompt_token_ids)))
@@ -303,5 +307,5 @@ def process_outputs(states, outputs, now, iteration):
             parents.append(parent)
     if parents:
         emit_parent_outputs(parents, now, returned)
-    return returned, aborts
+    return returned, aborts, finished_ids
 

@@ -10,6 +10,7 @@ output objects are shared with the Python twin. The module is not named
 ``step_loop``: an extension module of that name would shadow the ``.py`` file.
 """
 
+from enginecore.frontend.detokenizer import ByteLevelDetokenizer
 from enginecore.frontend.parallel_sampling import emit_parent_outputs
 # Off the per-token path (once per request or rare): shared with the Python twin.
 from enginecore.frontend.step_loop import note_events, pooling_output
@@ -52,6 +53,9 @@ cdef class RequestState:
     cdef public object metrics
     cdef public bint pooling
     cdef public object token_text
+    # ByteLevel detokenizer, inlined: its byte table and its UTF-8 decoder's decode.
+    cdef list _table
+    cdef object _utf8_decode
 
     def __init__(self, request_id, external_id, index, parent, queue, prompt,
                  prompt_token_ids, lora_request, output_kind, detok, stop, include_stop,
@@ -81,6 +85,27 @@ cdef class RequestState:
         self.metrics = metrics
         self.pooling = pooling
         self.token_text = token_text
+        if type(detok) is ByteLevelDetokenizer:
+            self._table = detok.table
+            self._utf8_decode = detok.utf8.decode
+
+
+cdef str _decode(RequestState st, list ids):
+    """``st.detok.decode(ids)``; for a ByteLevel detokenizer without the call: the
+    tokens' bytes from the table straight into the same UTF-8 decoder."""
+    cdef list table = st._table
+    cdef Py_ssize_t n, t, i
+    if table is None:
+        return st.detok.decode(ids)
+    n = len(table)
+    if len(ids) == 1:
+        t = ids[0]
+        return st._utf8_decode(table[t] if 0 <= t < n else b"")
+    parts = []
+    for i in range(len(ids)):
+        t = ids[i]
+        parts.append(table[t] if 0 <= t < n else b"")
+    return st._utf8_decode(b"".join(parts))
 
 
 def find_stop(str window, Py_ssize_t check_from, list stop):
@@ -141,11 +166,11 @@ cdef tuple _detokenize(RequestState st, list new_ids, object finish, object stop
     n_before = len(st.token_ids) - len(new_ids)
     free = st.min_tokens - n_before
     if st.stop and 0 < free < n_ids:
-        head = detok.decode(ids[:free])
-        new = detok.decode(ids[free:])
+        head = _decode(st, ids[:free])
+        new = _decode(st, ids[free:])
     else:
         head = ""
-        new = detok.decode(ids)
+        new = _decode(st, ids)
         if st.stop and free >= n_ids > 0:
             head = new
             new = ""
@@ -231,9 +256,11 @@ cdef object _completion(RequestState st, str released, object finish_name, objec
 def process_outputs(dict states, list outputs, double now, object iteration):
     """One step. ``states``: engine request id -> RequestState (finished ones are
     removed); ``iteration``: an IterationStats to fill, or None. Returns
-    (outputs of requests without a queue, engine ids to abort)."""
+    (outputs of requests without a queue, engine ids to abort, engine ids that
+    finished)."""
     cdef list returned = []
     cdef list aborts = []
+    cdef list finished_ids = []
     cdef list parents = []
     cdef RequestState st
     cdef list new_ids
@@ -270,6 +297,7 @@ def process_outputs(dict states, list outputs, double now, object iteration):
             continue
         if st.pooling:
             del states[o.request_id]
+            finished_ids.append(o.request_id)
             m.finished_ts = now
             out = pooling_output(st, o, finish)
             if has_iter:
@@ -293,6 +321,7 @@ def process_outputs(dict states, list outputs, double now, object iteration):
         if finished:
             finish_name = _FINISH_NAMES[finish]
             del states[o.request_id]
+            finished_ids.append(o.request_id)
             m.finished_ts = now
             if has_iter:
                 iteration.finished.append((m, finish_name, len(st.prompt_token_ids)))
@@ -320,5 +349,5 @@ def process_outputs(dict states, list outputs, double now, object iteration):
             parents.append(parent)
     if parents:
         emit_parent_outputs(parents, now, returned)
-    return returned, aborts
+    return returned, aborts, finished_ids
 
