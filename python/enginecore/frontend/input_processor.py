@@ -47,6 +47,7 @@ class InputProcessor:
         self._engines_local = (pc.data_parallel_size_local >= pc.data_parallel_size
                                and pc.data_parallel_backend != "ray")
         self._structured: Any = None
+        self._arch: Any = None  # the model's LlamaArchConfig, for LoRA checks
 
     # -- prompts ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
@@ -209,11 +210,14 @@ class InputProcessor:
         if not lora.lora_name:
             raise ValueError("lora_name must not be empty")
         if lora.lora_path and self._engines_local:
+            from enginecore.model.arch_config import load_arch_config
             from enginecore.model.lora import LoRAError, read_adapter_config
 
             try:
+                if self._arch is None:
+                    self._arch = load_arch_config(self.config.model_config.model_path)
                 read_adapter_config(lora.lora_path, lora.lora_int_id, lora.lora_name,
-                                    self.lora_config.max_lora_rank)
+                                    self.lora_config.max_lora_rank, self._arch)
             except LoRAError as e:
                 raise ValueError(str(e)) from None
             except (OSError, ValueError) as e:
