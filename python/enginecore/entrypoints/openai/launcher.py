@@ -175,6 +175,8 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
 
     engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1, log_stats=False)
     spawn = multiprocessing.get_context("spawn")
+    # What the API server processes get (the subcommand's function does not pickle).
+    worker_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
     procs: list[Any] = []
     code = 0
     try:
@@ -182,7 +184,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
         for i in range(n):
             ready = spawn.Event()
             proc = spawn.Process(target=_api_worker, name=f"APIServer_{i + 1}",
-                                 args=(args, engine.handoff(i + 1), socks[i], ready))
+                                 args=(worker_args, engine.handoff(i + 1), socks[i], ready))
             proc.start()
             procs.append(proc)
             events.append(ready)
