@@ -97,12 +97,16 @@ def _chat_cli(*args: str, lines: str) -> str:
 
 
 def test_chat_command_against_the_server(server):
-    out = _chat_cli("--url", server.base_url, "--temperature", "0", "--max-tokens", "24",
+    out = _chat_cli("--url", server.base_url, "--temperature", "0", "--max-tokens", "12",
                     lines="What is the capital of France?\nAnd of Italy?\n/exit\n")
     assert "Paris" in out and "Rome" in out  # the second turn saw the first
 
 
-def test_chat_command_in_process():
-    out = _chat_cli("--temperature", "0", "--max-tokens", "24",
-                    lines="What is the capital of France?\n")
-    assert "Paris" in out
+def test_chat_command_in_process(tmp_path):
+    """In process (a tiny model: the words are noise, the loop is the same)."""
+    from server_helpers import make_tiny_chat_model
+
+    model = make_tiny_chat_model(str(tmp_path / "tiny"))
+    out = _chat_cli("--model", model, "--max-tokens", "6", "--seed", "1",
+                    lines="hello\n/reset\nagain\n")
+    assert out.count("> ") >= 3 and "(conversation cleared)" in out

@@ -173,7 +173,9 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     from enginecore.frontend import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1, log_stats=False)
+    # (log_stats is the engines' setting too: the API servers' gauges need their stats)
+    engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1,
+                                       log_stats=not args.disable_log_stats)
     spawn = multiprocessing.get_context("spawn")
     # What the API server processes get (the subcommand's function does not pickle).
     worker_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
