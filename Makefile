@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.enginecore-run
 STAMP := $(VENV)/.enginecore-installed
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py')
+SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py' -o -name '*.pyx')
 PROMPT ?= What is the capital of France?
 
 # Prints the test extras (tomllib from Python 3.11; pip's vendored tomli before).

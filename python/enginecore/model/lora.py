@@ -38,8 +38,9 @@ def _shapes(cfg: LlamaArchConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def load_lora(path: str, lora_id: int, name: str, cfg: LlamaArchConfig, max_rank: int,
-              dtype: torch.dtype, device: torch.device) -> LoRAWeights:
+def read_adapter_config(path: str, lora_id: int, name: str, max_rank: int) -> tuple[int, float]:
+    """Check a PEFT adapter's files and config; (rank, scaling). Raises LoRAError.
+    The front-end runs this too, so a bad adapter fails at the caller."""
     cfg_path = os.path.join(path, "adapter_config.json")
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not (os.path.isfile(cfg_path) and os.path.isfile(weights_path)):
@@ -60,7 +61,13 @@ def load_lora(path: str, lora_id: int, name: str, cfg: LlamaArchConfig, max_rank
     if ac.get("bias", "none") != "none":
         raise LoRAError(f"LoRA {name!r}: bias={ac['bias']!r} is not supported (only 'none')")
     alpha = float(ac.get("lora_alpha", r))
-    scaling = alpha / math.sqrt(r) if ac.get("use_rslora") else alpha / r
+    return r, alpha / math.sqrt(r) if ac.get("use_rslora") else alpha / r
+
+
+def load_lora(path: str, lora_id: int, name: str, cfg: LlamaArchConfig, max_rank: int,
+              dtype: torch.dtype, device: torch.device) -> LoRAWeights:
+    r, scaling = read_adapter_config(path, lora_id, name, max_rank)
+    weights_path = os.path.join(path, "adapter_model.safetensors")
     shapes = _shapes(cfg)
     lw = LoRAWeights(lora_id, name, r, scaling, [{} for _ in range(cfg.num_layers)])
     with safe_open(weights_path, framework="pt") as f:
