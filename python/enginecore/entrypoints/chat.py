@@ -108,9 +108,7 @@ class _LocalChat:
         from enginecore.sampling_params import RequestOutputKind, SamplingParams
 
         a = self.args
-        tok = self.engine.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        prompt = self.engine.input_processor.render_chat(messages)
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
                                 top_p=a.top_p, seed=a.seed, output_kind=RequestOutputKind.DELTA)
         self.turns += 1

@@ -133,6 +133,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -156,6 +158,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -41,48 +41,35 @@ _encode = msgspec.json.Encoder().encode
 _MAX_TOP_LOGPROBS = 20
 
 
-def message_text(msg: ChatMessage, index: int) -> str:
-    """A message's text: a string, or its text parts joined by newlines."""
-    content = msg.content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        kind = part.get("type")
-        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
-            raise bad_request(f"messages[{index}]: only text content parts are supported, "
-                              f"got type {kind!r}", f"messages[{index}].content")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool) -> str:
-    """The prompt text of a conversation (the model's template, sandboxed jinja2)."""
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
-    if continue_final_message and add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
-                          "true", "continue_final_message")
-    convo = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+def render_chat(input_processor: Any, messages: list[ChatMessage], *,
+                add_generation_prompt: bool, continue_final_message: bool,
+                tools: list | None = None, documents: list | None = None,
+                chat_template: str | None = None,
+                chat_template_kwargs: dict | None = None) -> dict[str, Any]:
+    """{"prompt": text, "prompt_token_ids": ids} of a conversation, rendered by the
+    front-end (the model's template in jinja2's sandbox); its refusals are 400s."""
+    convo = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name is not None:
+            msg["name"] = m.name
+        convo.append(msg)
     try:
-        text = tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt)
-    except ValueError as e:
+        return input_processor.render_chat(
+            convo, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, documents=documents,
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+    except (ValueError, TypeError) as e:
         raise bad_request(str(e), "messages") from None
-    except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+    except Exception as e:  # noqa: BLE001 - a template that fails is the request's problem
         raise bad_request(f"the chat template failed: {type(e).__name__}: {e}",
                           "messages") from None
-    if continue_final_message:
-        # Cut after the last message's content: the model continues it.
-        last = convo[-1]["content"]
-        cut = text.rfind(last) if last else -1
-        if cut < 0:
-            raise bad_request("continue_final_message: the final message is not in the "
-                              "rendered prompt", "continue_final_message")
-        text = text[:cut + len(last)]
-    return text
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(str(p.get("text", "")) for p in content or ())
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -101,9 +88,14 @@ class OpenAIServingChat(OpenAIServing):
                                   "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         tokenizer = self.require_tokenizer()
-        text = render_chat(tokenizer, req.messages, req.add_generation_prompt,
-                           req.continue_final_message)
-        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        prompt = render_chat(self.engine.input_processor, req.messages,
+                             add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             tools=req.tools, documents=req.documents,
+                             chat_template=req.chat_template,
+                             chat_template_kwargs=req.chat_template_kwargs)
+        if req.add_special_tokens:
+            prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
@@ -111,14 +103,13 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id(req.request_id)
         ticket = self.ctx.admission.admit([request_id], params.n)
         try:
-            stream = self.engine.generate({"prompt": text, "prompt_token_ids": ids}, params,
+            stream = self.engine.generate(prompt, params,
                                           request_id, lora_request=lora,
                                           priority=req.priority, cache_salt=req.cache_salt)
             text_of = TokenText(tokenizer, bool(req.return_tokens_as_token_ids))
             last = req.messages[-1]
             # vLLM's echo: the last message, when it is the assistant's, leads the answer.
-            echo = (message_text(last, len(req.messages) - 1)
-                    if req.echo and last.role == "assistant" else "")
+            echo = _text_of(last.content) if req.echo and last.role == "assistant" else ""
             if req.stream:
                 try:
                     first = await until_disconnect(request, anext(stream))

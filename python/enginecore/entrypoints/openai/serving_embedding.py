@@ -108,9 +108,12 @@ class OpenAIServingTokenization(OpenAIServing):
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = render_chat(tok, req.messages, req.add_generation_prompt,
-                               req.continue_final_message)
-            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            prompt = render_chat(self.engine.input_processor, req.messages,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 chat_template_kwargs=req.chat_template_kwargs)
+            ids = (tok.encode(prompt["prompt"]) if req.add_special_tokens
+                   else prompt["prompt_token_ids"])
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = tok.encode(req.prompt, add_special_tokens=add)
