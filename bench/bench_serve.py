@@ -129,6 +129,43 @@ async def run_level(base_url: str, model: str, concurrency: int, vocab: int,
     return LevelResult(concurrency, n, wall, list(results))
 
 
+async def run_level_direct(engine, concurrency: int, vocab: int,
+                           num_requests: int | None = None) -> LevelResult:
+    """The same load on an in-process AsyncLLM (no HTTP): what the server adds is the
+    difference."""
+    from enginecore import RequestOutputKind, SamplingParams
+
+    n = num_requests or requests_for(concurrency)
+    todo = prompts(n, vocab, seed=concurrency)
+    sem = asyncio.Semaphore(concurrency)
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    ids = iter(range(10**9))
+
+    async def one(p: list[int]) -> RequestResult:
+        async with sem:
+            t0 = time.perf_counter()
+            ttft, last, itls, tokens = None, t0, [], 0
+            async for out in engine.generate({"prompt_token_ids": p}, params,
+                                             f"direct-{concurrency}-{next(ids)}"):
+                now = time.perf_counter()
+                comp = out.outputs[0]
+                tokens += len(comp.token_ids)
+                if comp.text:
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        itls.append(now - last)
+                    last = now
+            end = time.perf_counter()
+            return RequestResult(ttft if ttft is not None else end - t0, itls, end - t0, tokens)
+
+    await one(todo[0][:8])
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in todo))
+    return LevelResult(concurrency, n, time.perf_counter() - t0, list(results))
+
+
 def _cpu(pids: list[int]) -> float:
     import psutil
 
@@ -197,15 +234,16 @@ def format_table(rows: list[dict]) -> str:
 # -- pytest entry --------------------------------------------------------------------------
 
 def test_serve_load(benchmark):
-    """One server, every level in turn (pedantic, one round each: a level is minutes
-    of load, not a microbenchmark)."""
+    """The server at every level, then the same load on an in-process AsyncLLM
+    (side by side in one run: the ratio is what HTTP + SSE + the API process cost).
+    Pedantic, one round: a level is seconds to minutes of load, not a microbenchmark."""
     import pytest
 
     pytest.importorskip("openai")
     proc, base_url, startup_s = start_server(["--max-model-len", "1024"])
+    rows, direct_rows = [], []
     try:
         api, engines = server_pids(proc)
-        rows = []
 
         def all_levels() -> None:
             for c in LEVELS:
@@ -215,15 +253,36 @@ def test_serve_load(benchmark):
                 level.engine_cpu_s = _cpu(engines) - ecpu0
                 assert level.output_tokens == level.requests * OUTPUT_LEN
                 rows.append(level.row())
+                print(format_table(rows[-1:]), flush=True)
 
         benchmark.group = "serve_load[default model, 64-token prompts, 128 tokens out]"
         benchmark.pedantic(all_levels, rounds=1, iterations=1)
-        benchmark.extra_info["startup_to_first_answer_s"] = round(startup_s, 2)
-        benchmark.extra_info["levels"] = rows
-        print(f"\nprocess start to first answer: {startup_s:.1f} s\n{format_table(rows)}")
     finally:
         proc.terminate()
         proc.wait(60)
+
+    async def direct() -> None:
+        from enginecore import AsyncLLM, EngineArgs
+
+        engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=1024))
+        try:
+            for c in LEVELS:
+                level = await run_level_direct(engine, c, 49152)
+                direct_rows.append(level.row())
+        finally:
+            engine.shutdown()
+
+    asyncio.run(direct())
+    benchmark.extra_info["startup_to_first_answer_s"] = round(startup_s, 2)
+    benchmark.extra_info["server"] = rows
+    benchmark.extra_info["direct"] = direct_rows
+    ratio = [{"concurrency": r["concurrency"],
+              "server/direct tok/s": r["output_tok_s"] / d["output_tok_s"],
+              "ttft_p50 server-direct ms": r["ttft_p50_ms"] - d["ttft_p50_ms"],
+              "itl_p99 server-direct ms": r["itl_p99_ms"] - d["itl_p99_ms"]}
+             for r, d in zip(rows, direct_rows)]
+    print(f"\nprocess start to first answer: {startup_s:.1f} s\nserver:\n{format_table(rows)}"
+          f"\nAsyncLLM in process:\n{format_table(direct_rows)}\n{ratio}")
 
 
 def main() -> None:
