@@ -133,7 +133,8 @@ class _LocalChat:
 
 
 def chat_loop(turn: Callable[[list[Message]], Iterator[str]], system: str | None,
-              read: Callable[[str], str] = input, write: Callable[[str], Any] = None) -> None:
+              read: Callable[[str], str] = input,
+              write: Callable[[str], Any] | None = None) -> None:
     """Read a line, stream the answer, remember both; until /exit or end of input."""
     def out(text: str) -> None:
         if write is not None:

@@ -201,7 +201,8 @@ class OpenAIServingChat(OpenAIServing):
                     break
             if include_usage:
                 yield sse_event(_encode(ChatCompletionChunk(
-                    id=request_id, object="chat.completion.chunk", created=created, model=model, choices=[], usage=usage())))
+                    id=request_id, object="chat.completion.chunk", created=created,
+                    model=model, choices=[], usage=usage())))
         except Exception as e:  # noqa: BLE001 - the stream has started: an error event
             err = engine_errors(e)
             yield sse_event(error_body(err.status, err.message, err.param))

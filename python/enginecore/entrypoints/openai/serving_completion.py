@@ -27,7 +27,6 @@ from enginecore.entrypoints.openai.sampling import to_sampling_params
 from enginecore.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_finish_errors,
-    collect_final,
     engine_errors,
     until_disconnect,
 )
