@@ -70,6 +70,10 @@ class Tokenizer:
                 ids = [self.bos_token_id, *ids]
         return ids
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id (byte-level form, e.g. 'Ġthe'), None if unknown."""
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
