@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any
 
 import msgspec
 
-from enginecore.bounds import Int64, NonNegInt64, PositiveInt64, check_bounds, finite
+from enginecore.bounds import INT64_MAX, Int64, NonNegInt64, PositiveInt64, check_bounds, finite
 
+_MAX_SEED = INT64_MAX
+# More parallel samples than this is a mistake, not a request (OpenAI caps n at 128).
+MAX_N = 128
 # Below this temperature a request samples greedily (dividing logits by a tiny
 # temperature overflows float32: NaN logits, token 0 forever). vLLM's _SAMPLING_EPS.
 TEMPERATURE_FLOOR = 1e-5
@@ -21,6 +25,15 @@ TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Penalty = finite(ge=-2.0, le=2.0)
 RepetitionPenalty = finite(gt=0.0, le=10.0)
+NumSamples = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a stream carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 class StructuredOutputsParams(
@@ -78,15 +91,22 @@ class StructuredOutputsParams(
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):  # type: ignore[call-arg]
-    """What to sample and when to stop. Defaults sample greedily up to 16 tokens.
+    """What to sample and when to stop. Defaults sample up to 16 tokens.
 
     ``temperature`` below ``TEMPERATURE_FLOOR`` (1e-5; 0 included) means greedy.
     ``top_k`` of 0 or -1 disables top-k.
     ``logprobs=N`` returns the top-N logprobs (plus the sampled token's) at each
     sampled position. Invalid values raise ``ValueError`` naming the field.
+
+    The last group of fields is the front-end's (``enginecore.frontend``); the
+    engine carries them but never reads them: ``n`` parallel samples (child
+    requests with seeds ``seed + i``), ``stop`` strings, ``include_stop_str_in_output``,
+    ``skip_special_tokens``, ``spaces_between_special_tokens``, ``output_kind``.
+    ``max_tokens=None`` means "up to the context limit"; the front-end's input
+    processor resolves it to ``max_model_len - len(prompt)`` before sending.
     """
 
-    max_tokens: PositiveInt64 = 16
+    max_tokens: PositiveInt64 | None = 16
     min_tokens: NonNegInt64 = 0
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -100,12 +120,19 @@ class SamplingParams(
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    # -- front-end fields (the engine ignores them) --
+    n: NumSamples = 1
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # The field annotations are the bounds (msgspec checks them on decode);
         # the same ones hold for a struct built in Python.
         check_bounds(self)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens "
                              f"({self.max_tokens}), got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -114,6 +141,31 @@ class SamplingParams(
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError("SamplingParams.structured_outputs must be StructuredOutputsParams, "
                              f"got {type(so).__name__}")
+
+        def bad(field: str, value: object, must: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field} must be {must}, got {value!r}")
+
+        self._validate_front_end_fields(bad)
+
+    def _validate_front_end_fields(self, bad) -> None:
+        # n: its bounds are its annotation (check_bounds).
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s
+                                                      for s in self.stop):
+            raise bad("stop", self.stop, "a non-empty str or a list of non-empty strs")
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise bad("output_kind", self.output_kind,
+                          "a RequestOutputKind (0 cumulative, 1 delta, 2 final only)") from None
 
     @property
     def greedy(self) -> bool:

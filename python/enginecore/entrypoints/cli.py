@@ -77,7 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     from enginecore.entrypoints.headless import add_parser
 
     add_parser(sub)
+    _add_serve_and_chat(sub)
     return parser
+
+
+def _add_serve_and_chat(sub: argparse._SubParsersAction) -> None:
+    from enginecore.entrypoints import chat
+    from enginecore.entrypoints.openai.cli_args import add_serve_args
+
+    def serve(args: argparse.Namespace) -> int:
+        from enginecore.entrypoints.openai.launcher import run_serve
+
+        return run_serve(args)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server (default model if none)")
+    add_serve_args(srv).set_defaults(func=serve)
+    chat.add_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
