@@ -357,3 +357,50 @@ def test_another_user_cannot_join_the_headless_handshake_as_a_rank(tmp_path):
         if headless is not None:
             headless.terminate()
             headless.communicate(timeout=30)
+
+
+def _tcp_front_end(handoff, results) -> None:
+    """Front-end 1 in another process, over TCP: it binds CURVE servers with the
+    keys from its handoff, and its request id "x" is its own."""
+    try:
+        c = SyncMPClient.connect(handoff)
+        try:
+            c.add_request(EngineCoreRequest("x", [4, 5], SamplingParams(max_tokens=6, seed=2)))
+            got, finish = [], None
+            while finish is None:
+                for o in c.get_output(timeout=20).outputs:
+                    got.extend(o.new_token_ids)
+                    finish = o.finish_reason
+            results.put((got, int(finish)))
+        finally:
+            c.shutdown()
+    except BaseException as e:  # noqa: BLE001 - the test reads what happened
+        results.put(repr(e))
+
+
+def test_a_front_end_in_another_process_over_tcp_has_the_launch_keys():
+    import multiprocessing
+
+    cfg = EngineArgs(model="synthetic", block_size=4).create_engine_config()
+    c = SyncMPClient(cfg, transport="tcp", client_count=2, local_client_count=1)
+    try:
+        assert c.input_address.startswith("tcp://") and c._curve is not None
+        c.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(max_tokens=400, seed=1)))
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        proc = ctx.Process(target=_tcp_front_end, args=(c.handoff(1), results))
+        proc.start()
+        got = results.get(timeout=60)
+        proc.join(30)
+        ref = synthetic_engine(block_size=4)
+        ref.add_request(EngineCoreRequest("x", [4, 5], SamplingParams(max_tokens=6, seed=2)))
+        assert got == (run_to_completion(ref)["x"]["tokens"], int(FinishReason.LENGTH))
+        mine, finish = [], None
+        while finish is None:
+            for o in c.get_output(timeout=20).outputs:
+                assert o.request_id == "x"
+                mine.extend(o.new_token_ids)
+                finish = o.finish_reason
+        assert finish is FinishReason.LENGTH and len(mine) == 400
+    finally:
+        c.shutdown()
