@@ -2,7 +2,10 @@
 flattened batch and a paged KV cache.
 
 Weights are held fused per layer (q|k|v and gate|up) so a step issues few
-large matmuls; ``state_dict_hf`` gives them back under HF names.
+large matmuls, each a ``Linear`` pre-packed at load for the CPU GEMM
+(model/linear.py); ``state_dict_hf`` gives them back plain under HF names.
+Element-wise work goes through fused ops with native twins (fused_ops.py,
+rope.py ``RotaryStep``) and attention through ``paged_attention``.
 """
 
 from __future__ import annotations
@@ -14,23 +17,14 @@ import torch.nn.functional as F
 
 from enginecore.model.arch_config import LlamaArchConfig
 from enginecore.model.attention import AttentionMetadata, paged_attention
+from enginecore.model.fused_ops import add_rms_norm, rms_norm, silu_and_mul
+from enginecore.model.linear import Linear, packing_enabled
 from enginecore.model.lora import LoRABatch
-from enginecore.model.rope import apply_rope, rope_cos_sin
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers does: normalise in float32, scale in the model dtype.
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+from enginecore.model.rope import RotaryStep, rope_cos_sin
 
 
 class LlamaLayer:
-    __slots__ = ("input_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w")
-
-    def __init__(self) -> None:
-        self.qkv_b: torch.Tensor | None = None
+    __slots__ = ("input_norm", "qkv_proj", "o_proj", "post_norm", "gate_up_proj", "down_proj")
 
 
 class LlamaForCausalLM:
@@ -41,7 +35,11 @@ class LlamaForCausalLM:
         self.layers: list[LlamaLayer] = []
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
+        # The LM head: plain only when tied (it is the embedding), else just packed.
         self.lm_head: torch.Tensor | None = None
+        self.lm_head_proj: Linear | None = None
+        self.tied = cfg.tie_word_embeddings
+        self.pack = packing_enabled(dtype, device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -88,6 +86,10 @@ class LlamaForCausalLM:
             if not cfg.tie_word_embeddings:
                 raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
             self.lm_head = self.embed
+        self.tied = self.lm_head is self.embed
+        self.lm_head_proj = Linear(self.lm_head, pack=self.pack)
+        if not self.tied:
+            self.lm_head = None
         self.layers = [self._build_layer(i, p) for i, p in enumerate(parts)]
 
     def _build_layer(self, i: int, p: dict[str, torch.Tensor]) -> LlamaLayer:
@@ -100,15 +102,18 @@ class LlamaForCausalLM:
         layer = LlamaLayer()
         layer.input_norm = take("input_layernorm.weight")
         layer.post_norm = take("post_attention_layernorm.weight")
-        layer.qkv_w = torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
-                                 take("self_attn.v_proj.weight")]).contiguous()
+        qkv_w = torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
+                           take("self_attn.v_proj.weight")]).contiguous()
+        qkv_b = None
         if self.cfg.qkv_bias:
-            layer.qkv_b = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
-                                     take("self_attn.v_proj.bias")]).contiguous()
-        layer.o_w = take("self_attn.o_proj.weight")
-        layer.gate_up_w = torch.cat([take("mlp.gate_proj.weight"),
-                                     take("mlp.up_proj.weight")]).contiguous()
-        layer.down_w = take("mlp.down_proj.weight")
+            qkv_b = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
+                               take("self_attn.v_proj.bias")]).contiguous()
+        layer.qkv_proj = Linear(qkv_w, qkv_b, self.pack)
+        layer.o_proj = Linear(take("self_attn.o_proj.weight"), pack=self.pack)
+        gate_up_w = torch.cat([take("mlp.gate_proj.weight"),
+                               take("mlp.up_proj.weight")]).contiguous()
+        layer.gate_up_proj = Linear(gate_up_w, pack=self.pack)
+        layer.down_proj = Linear(take("mlp.down_proj.weight"), pack=self.pack)
         if p:
             raise ValueError(f"unexpected weights in layer {i}: {sorted(p)}")
         return layer
@@ -117,42 +122,48 @@ class LlamaForCausalLM:
         """The weights under HF names (unfused), for saving."""
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed,
                                         "model.norm.weight": self.norm}
-        if self.lm_head is not self.embed:
-            out["lm_head.weight"] = self.lm_head
+        if not self.tied:
+            out["lm_head.weight"] = self.lm_head_proj.dense()
         q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
         for i, L in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            wq, wk, wv = L.qkv_w.split([q, kv, kv])
+            wq, wk, wv = L.qkv_proj.dense().split([q, kv, kv])
             out |= {pre + "self_attn.q_proj.weight": wq, pre + "self_attn.k_proj.weight": wk,
-                    pre + "self_attn.v_proj.weight": wv, pre + "self_attn.o_proj.weight": L.o_w,
+                    pre + "self_attn.v_proj.weight": wv,
+                    pre + "self_attn.o_proj.weight": L.o_proj.dense(),
                     pre + "input_layernorm.weight": L.input_norm,
                     pre + "post_attention_layernorm.weight": L.post_norm,
-                    pre + "mlp.down_proj.weight": L.down_w}
-            if L.qkv_b is not None:
-                bq, bk, bv = L.qkv_b.split([q, kv, kv])
+                    pre + "mlp.down_proj.weight": L.down_proj.dense()}
+            if L.qkv_proj.bias is not None:
+                bq, bk, bv = L.qkv_proj.bias.split([q, kv, kv])
                 out |= {pre + "self_attn.q_proj.bias": bq, pre + "self_attn.k_proj.bias": bk,
                         pre + "self_attn.v_proj.bias": bv}
-            g, u = L.gate_up_w.split([inter, inter])
+            g, u = L.gate_up_proj.dense().split([inter, inter])
             out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u}
         return {k: v.contiguous() for k, v in out.items()}
 
     def to_device(self, device: torch.device) -> None:
         """Move every weight (sleep level 1 on CUDA parks them in host memory)."""
-        tied = self.lm_head is self.embed
         self.embed = self.embed.to(device)
         self.norm = self.norm.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        self.lm_head_proj = self.lm_head_proj.to(device)
+        self.lm_head = self.embed if self.tied else None
         for layer in self.layers:
-            for name in LlamaLayer.__slots__:
-                t = getattr(layer, name)
-                if t is not None:
-                    setattr(layer, name, t.to(device))
+            for name in LlamaLayer.__slots__:  # tensors and Linears alike
+                setattr(layer, name, getattr(layer, name).to(device))
         self.cos = self.cos.to(device)
         self.sin = self.sin.to(device)
         self.device = device
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_dict_hf().values())
+        """Bytes of the weights as loaded (the packed LM head of a tied model is extra)."""
+        total = sum(t.numel() * t.element_size() for t in (self.embed, self.norm))
+        if not self.tied:
+            total += self.lm_head_proj.nbytes()
+        for L in self.layers:
+            total += sum(t.numel() * t.element_size() for t in (L.input_norm, L.post_norm))
+            total += sum(p.nbytes() for p in (L.qkv_proj, L.o_proj, L.gate_up_proj, L.down_proj))
+        return total
 
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -169,35 +180,37 @@ class LlamaForCausalLM:
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.q_size, self.kv_size
         eps = cfg.rms_norm_eps
-        cos = self.cos.index_select(0, positions)
-        sin = self.sin.index_select(0, positions)
+        rope = RotaryStep(self.cos, self.sin, positions)
         h = F.embedding(input_ids, self.embed)
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to h
         qkv_t, o_t, gu_t, down_t = self._lora_targets
         for li, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = rms_norm(h, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            if delta is None:
+                x = rms_norm(h, layer.input_norm, eps)
+            else:
+                h, x = add_rms_norm(h, delta, layer.input_norm, eps)
+            qkv = layer.qkv_proj(x)
             if lora is not None:
                 lora.apply(qkv, x, li, qkv_t)
-            # q and k sit side by side in qkv: rotate both with one set of ops.
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
+            # q and k sit side by side in qkv: rotate both with one call.
+            qk = rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D))
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
             attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale)
-            o = F.linear(attn, layer.o_w)
+            o = layer.o_proj(attn)
             if lora is not None:
                 lora.apply(o, attn, li, o_t)
-            h = h + o
-            x = rms_norm(h, layer.post_norm, eps)
-            gu = F.linear(x, layer.gate_up_w)
+            h, x = add_rms_norm(h, o, layer.post_norm, eps)
+            gu = layer.gate_up_proj(x)
             if lora is not None:
                 lora.apply(gu, x, li, gu_t)
-            gate, up = gu.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            down = F.linear(act, layer.down_w)
+            act = silu_and_mul(gu)
+            delta = layer.down_proj(act)
             if lora is not None:
-                lora.apply(down, act, li, down_t)
-            h = h + down
-        return rms_norm(h, self.norm, eps)
+                lora.apply(delta, act, li, down_t)
+        if delta is None:
+            return rms_norm(h, self.norm, eps)
+        return add_rms_norm(h, delta, self.norm, eps)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head_proj(hidden).float()
