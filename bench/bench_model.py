@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from enginecore import LLM, EngineArgs, EngineCore, EngineCoreRequest, SamplingParams, _native
+from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams, _native
+from enginecore.entrypoints.llm import LLM
 
 PROMPT_LEN = 64
 OUTPUT_LEN = 128

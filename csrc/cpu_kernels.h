@@ -15,6 +15,9 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };
 
 // Positions per tile of the attention's online softmax.
 constexpr int kTile = 32;
+// Work items with at least this many query rows compute scores from a
+// transposed K tile (see attend_item).
+constexpr int kTransposedMinRows = 8;
 // At most this many query rows (tokens x heads of one KV head) per work item.
 constexpr int kMaxRows = 64;
 

@@ -105,28 +105,60 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
   const T* vc = static_cast<const T*>(p.v_cache);
   const int32_t* table = p.block_table + static_cast<int64_t>(it.seq) * p.bt_stride;
   const int bs = p.block_size;
-  for (int t0 = lo; t0 <= hi;) {
-    const int off = t0 % bs;
-    int n = bs - off;
-    if (n > kTile) n = kTile;
-    if (n > hi - t0 + 1) n = hi - t0 + 1;
-    const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs + off;
-    const int64_t head_off = static_cast<int64_t>(it.kvh) * p.c_sh;
-    // Scores: each K row converted once, dotted with every query row.
-    for (int j = 0; j < n; ++j) {
-      const T* kp = kc + (slot0 + j) * p.c_ss + head_off;
-      float* kr = kf + j * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) kr[d] = to_f32(kp[d]);
+  const int64_t head_off = static_cast<int64_t>(it.kvh) * p.c_sh;
+  int64_t slots[kTile];
+  for (int t0 = lo; t0 <= hi; t0 += kTile) {
+    const int n = hi - t0 + 1 < kTile ? hi - t0 + 1 : kTile;
+    for (int j = 0; j < n; ++j) {  // a tile may span blocks: each position's slot
+      const int t = t0 + j;
+      slots[j] = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
     }
-    for (int r = 0; r < R; ++r) {
-      const float* qr = Q + r * D;
+    if (R >= kTransposedMinRows) {
+      // Many rows (prefill): the tile's K in fp32, transposed to [D][kTile]
+      // (zero past n), so a row's scores are kTile-wide vector multiply-adds
+      // with no horizontal sums; the transpose is paid once for all rows.
       for (int j = 0; j < n; ++j) {
-        const float* kr = kf + j * D;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int d = 0; d < D; ++d) s += qr[d] * kr[d];
-        S[r * kTile + j] = s;
+        const T* kp = kc + slots[j] * p.c_ss + head_off;
+        for (int d = 0; d < D; ++d) kf[d * kTile + j] = to_f32(kp[d]);
+      }
+      if (n < kTile) {
+        for (int d = 0; d < D; ++d) {
+          for (int j = n; j < kTile; ++j) kf[d * kTile + j] = 0.0f;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* qr = Q + r * D;
+        float sc[kTile];
+#pragma omp simd
+        for (int j = 0; j < kTile; ++j) sc[j] = 0.0f;
+        for (int d = 0; d < D; ++d) {
+          const float qd = qr[d];
+          const float* kd = kf + d * kTile;
+#pragma omp simd
+          for (int j = 0; j < kTile; ++j) sc[j] += qd * kd[j];
+        }
+        float* sr = S + r * kTile;
+#pragma omp simd
+        for (int j = 0; j < kTile; ++j) sr[j] = sc[j];
+      }
+    } else {
+      // Few rows (decode: the G heads of one KV head): each K row converted
+      // once and dotted with every row; a transpose would cost more than it saves.
+      for (int j = 0; j < n; ++j) {
+        const T* kp = kc + slots[j] * p.c_ss + head_off;
+        float* kr = kf + j * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) kr[d] = to_f32(kp[d]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* qr = Q + r * D;
+        for (int j = 0; j < n; ++j) {
+          const float* kr = kf + j * D;
+          float sc = 0.0f;
+#pragma omp simd reduction(+ : sc)
+          for (int d = 0; d < D; ++d) sc += qr[d] * kr[d];
+          S[r * kTile + j] = sc;
+        }
       }
     }
     // Soft cap, masks, online softmax: per row, rescale what was accumulated
@@ -140,13 +172,18 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
       }
       const int qp = qpos[r];
       const int win = p.sliding_window;
-      float mt = -__builtin_inff();
-      for (int j = 0; j < n; ++j) {
-        const int t = t0 + j;
-        const bool ok = t <= qp && (win <= 0 || qp - t < win);
-        sr[j] = ok ? sr[j] : -__builtin_inff();
-        mt = sr[j] > mt ? sr[j] : mt;
+      // Mask only tiles that reach past the row's position or out of its window
+      // (a decode row never does: its position is the last one).
+      if (t0 + n - 1 > qp || (win > 0 && qp - t0 >= win)) {
+        for (int j = 0; j < n; ++j) {
+          const int t = t0 + j;
+          const bool ok = t <= qp && (win <= 0 || qp - t < win);
+          sr[j] = ok ? sr[j] : -__builtin_inff();
+        }
       }
+      float mt = -__builtin_inff();
+#pragma omp simd reduction(max : mt)
+      for (int j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
       if (mt == -__builtin_inff()) {  // nothing visible in this tile: weights 0
         for (int j = 0; j < n; ++j) sr[j] = 0.0f;
         continue;
@@ -167,9 +204,10 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
       l[r] = l[r] * corr + sum;
       m[r] = m_new;
     }
-    // Values: each V row converted once, added into every row that sees it.
+    // Values: each V row converted once (into the K tile's buffer, now free),
+    // added into every row that sees it.
     for (int j = 0; j < n; ++j) {
-      const T* vp = vc + (slot0 + j) * p.c_ss + head_off;
+      const T* vp = vc + slots[j] * p.c_ss + head_off;
       float* vr = kf + j * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) vr[d] = to_f32(vp[d]);
@@ -185,7 +223,6 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
         for (int d = 0; d < D; ++d) ar[d] += w * vr[d];
       }
     }
-    t0 += n;
   }
   T* out = static_cast<T*>(p.out);
   for (int r = 0; r < R; ++r) {
