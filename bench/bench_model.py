@@ -248,7 +248,8 @@ def _weight_bytes(model_dir: str) -> int:
     """Parameters read per token (the embedding gather excluded, the LM head once)."""
     import json
 
-    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
     h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     d = h // heads
