@@ -27,19 +27,27 @@ def _native_for(x: torch.Tensor):
     return ext
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers does: normalise in float32, scale in the model dtype.
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   plus_one: bool = False) -> torch.Tensor:
+    # As transformers does: normalise in float32, scale in the model dtype; Gemma
+    # scales by (1 + w) in float32 and casts last.
     dtype = x.dtype
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.float())).to(dtype)
     return weight * xf.to(dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * RMSNorm(x) over the last dimension of a [rows, hidden] tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             plus_one: bool = False) -> torch.Tensor:
+    """weight * RMSNorm(x) over the last dimension. Native for [rows, hidden] with
+    one weight row; per-head weights (Qwen3's q/k norms) and Gemma's (1 + w)
+    take the torch version."""
     ext = _native_for(x)
-    if ext is None or x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype:
-        return rms_norm_torch(x, weight, eps)
+    if (ext is None or plus_one or x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 1
+            or weight.dtype != x.dtype):
+        return rms_norm_torch(x, weight, eps, plus_one)
     out = torch.empty_like(x)
     ext.rms_norm(x.data_ptr(), x.stride(0), 0, 0, weight.contiguous().data_ptr(), out.data_ptr(),
                  out.stride(0), x.shape[0], x.shape[1], eps, NATIVE_DTYPES[x.dtype],
@@ -47,16 +55,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, weight * RMSNorm(h + delta)): a decoder layer's residual add and
     the norm after it. The native path adds into ``h`` in place (the residual
     stream is the model's own buffer)."""
     ext = _native_for(h)
-    if (ext is None or h.dim() != 2 or not h.is_contiguous() or delta.stride(-1) != 1
+    if (ext is None or plus_one or h.dim() != 2 or not h.is_contiguous() or delta.stride(-1) != 1
             or delta.dtype != h.dtype or weight.dtype != h.dtype or h.shape != delta.shape):
         h = h + delta
-        return h, rms_norm_torch(h, weight, eps)
+        return h, rms_norm_torch(h, weight, eps, plus_one)
     out = torch.empty_like(h)
     ext.rms_norm(h.data_ptr(), h.stride(0), delta.data_ptr(), delta.stride(0),
                  weight.contiguous().data_ptr(), out.data_ptr(), out.stride(0), h.shape[0],

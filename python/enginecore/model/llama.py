@@ -1,11 +1,14 @@
-"""Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral) over a
-flattened batch and a paged KV cache.
+"""The decoder of every supported family (Llama 2/3, SmolLM/SmolLM2, Mistral,
+Qwen2, Qwen3, Gemma 2, Phi-3, Mixtral, Qwen3-MoE) over a flattened batch and a
+paged KV cache. What differs between families is data in LlamaArchConfig
+(model/arch_config.py); here it is a handful of ``if`` hooks.
 
 Weights are held fused per layer (q|k|v and gate|up) so a step issues few
 large matmuls, each a ``Linear`` pre-packed at load for the CPU GEMM
-(model/linear.py); ``state_dict_hf`` gives them back plain under HF names.
-Element-wise work goes through fused ops with native twins (fused_ops.py,
-rope.py ``RotaryStep``) and attention through ``paged_attention``.
+(model/linear.py); ``state_dict_hf`` gives them back plain under the
+checkpoint's names. Norms, the residual adds, RoPE and SiLU-and-mul go
+through fused ops with native twins (model/fused_ops.py, rope.RotaryStep),
+attention through ``paged_attention``.
 """
 
 from __future__ import annotations
@@ -20,11 +23,30 @@ from enginecore.model.attention import AttentionMetadata, paged_attention
 from enginecore.model.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 from enginecore.model.linear import Linear, packing_enabled
 from enginecore.model.lora import LoRABatch
+from enginecore.model.moe import experts_state_dict, moe_mlp, take_experts
 from enginecore.model.rope import RotaryStep, rope_cos_sin
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class LlamaLayer:
-    __slots__ = ("input_norm", "qkv_proj", "o_proj", "post_norm", "gate_up_proj", "down_proj")
+    # qkv_w, o_w, gate_up_w, down_w hold ``Linear``s once loaded (bias inside qkv_w too)
+    __slots__ = ("input_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w",
+                 # Qwen3: [H + Hkv, D] q-norm rows then k-norm rows (one norm call for both)
+                 "qk_norm_w",
+                 # Gemma 2: norms of the attention output and of the MLP output
+                 "attn_out_norm", "mlp_out_norm",
+                 # MoE layers: router [E, hidden], experts [E, 2I, hidden] and [E, hidden, I]
+                 "router_w", "experts_gate_up_w", "experts_down_w")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, None)
 
 
 class LlamaForCausalLM:
@@ -42,7 +64,12 @@ class LlamaForCausalLM:
         self.pack = packing_enabled(dtype, device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.scale
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.silu = cfg.hidden_act == "silu"  # SiLU-and-mul has a fused op
+        # transformers multiplies by the scale cast to the weights' dtype.
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=dtype, device=device)
+                            if cfg.embed_scale is not None else None)
         self.max_positions = max(cfg.max_position_embeddings, 1)
         q, kv, inter, hid = self.q_size, self.kv_size, cfg.intermediate_size, cfg.hidden_size
         # Where each LoRA target's output sits in the fused projections.
@@ -90,9 +117,20 @@ class LlamaForCausalLM:
         self.lm_head_proj = Linear(self.lm_head, pack=self.pack)
         if not self.tied:
             self.lm_head = None
-        self.layers = [self._build_layer(i, p) for i, p in enumerate(parts)]
+        self.layers = [self._as_linears(self._build_layer(i, p)) for i, p in enumerate(parts)]
+
+    def _as_linears(self, layer: LlamaLayer) -> LlamaLayer:
+        """The layer's projections as ``Linear``s (packed for the CPU GEMM once, here)."""
+        layer.qkv_w = Linear(layer.qkv_w, layer.qkv_b, self.pack)
+        layer.o_w = Linear(layer.o_w, pack=self.pack)
+        if layer.gate_up_w is not None:
+            layer.gate_up_w = Linear(layer.gate_up_w, pack=self.pack)
+            layer.down_w = Linear(layer.down_w, pack=self.pack)
+        return layer
 
     def _build_layer(self, i: int, p: dict[str, torch.Tensor]) -> LlamaLayer:
+        cfg = self.cfg
+
         def take(key: str) -> torch.Tensor:
             try:
                 return p.pop(key)
@@ -101,45 +139,80 @@ class LlamaForCausalLM:
 
         layer = LlamaLayer()
         layer.input_norm = take("input_layernorm.weight")
-        layer.post_norm = take("post_attention_layernorm.weight")
-        qkv_w = torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
-                           take("self_attn.v_proj.weight")]).contiguous()
-        qkv_b = None
-        if self.cfg.qkv_bias:
-            qkv_b = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
-                               take("self_attn.v_proj.bias")]).contiguous()
-        layer.qkv_proj = Linear(qkv_w, qkv_b, self.pack)
-        layer.o_proj = Linear(take("self_attn.o_proj.weight"), pack=self.pack)
-        gate_up_w = torch.cat([take("mlp.gate_proj.weight"),
-                               take("mlp.up_proj.weight")]).contiguous()
-        layer.gate_up_proj = Linear(gate_up_w, pack=self.pack)
-        layer.down_proj = Linear(take("mlp.down_proj.weight"), pack=self.pack)
+        if cfg.sandwich_norms:  # Gemma 2's names: post_attention is the attention output's
+            layer.attn_out_norm = take("post_attention_layernorm.weight")
+            layer.post_norm = take("pre_feedforward_layernorm.weight")
+            layer.mlp_out_norm = take("post_feedforward_layernorm.weight")
+        else:
+            layer.post_norm = take("post_attention_layernorm.weight")
+        if cfg.fused_checkpoint:
+            layer.qkv_w = take("self_attn.qkv_proj.weight")
+        else:
+            layer.qkv_w = torch.cat([take("self_attn.q_proj.weight"),
+                                     take("self_attn.k_proj.weight"),
+                                     take("self_attn.v_proj.weight")]).contiguous()
+        if cfg.qkv_bias:
+            layer.qkv_b = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
+                                     take("self_attn.v_proj.bias")]).contiguous()
+        layer.o_w = take("self_attn.o_proj.weight")
+        if cfg.qk_norm:
+            qn, kn = take("self_attn.q_norm.weight"), take("self_attn.k_norm.weight")
+            layer.qk_norm_w = torch.cat([qn.expand(cfg.num_heads, -1),
+                                         kn.expand(cfg.num_kv_heads, -1)]).contiguous()
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            take_experts(layer, take, p, cfg.moe)
+        elif cfg.fused_checkpoint:
+            layer.gate_up_w = take("mlp.gate_up_proj.weight")
+            layer.down_w = take("mlp.down_proj.weight")
+        else:
+            layer.gate_up_w = torch.cat([take("mlp.gate_proj.weight"),
+                                         take("mlp.up_proj.weight")]).contiguous()
+            layer.down_w = take("mlp.down_proj.weight")
         if p:
             raise ValueError(f"unexpected weights in layer {i}: {sorted(p)}")
         return layer
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        """The weights under HF names (unfused), for saving."""
+        """The weights under the checkpoint's HF names (unfused unless the family
+        stores them fused), for saving."""
+        cfg = self.cfg
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed,
                                         "model.norm.weight": self.norm}
         if not self.tied:
             out["lm_head.weight"] = self.lm_head_proj.dense()
-        q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
+        q, kv, inter = self.q_size, self.kv_size, cfg.intermediate_size
         for i, L in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            wq, wk, wv = L.qkv_proj.dense().split([q, kv, kv])
-            out |= {pre + "self_attn.q_proj.weight": wq, pre + "self_attn.k_proj.weight": wk,
-                    pre + "self_attn.v_proj.weight": wv,
-                    pre + "self_attn.o_proj.weight": L.o_proj.dense(),
-                    pre + "input_layernorm.weight": L.input_norm,
-                    pre + "post_attention_layernorm.weight": L.post_norm,
-                    pre + "mlp.down_proj.weight": L.down_proj.dense()}
-            if L.qkv_proj.bias is not None:
-                bq, bk, bv = L.qkv_proj.bias.split([q, kv, kv])
+            out[pre + "input_layernorm.weight"] = L.input_norm
+            if cfg.sandwich_norms:
+                out |= {pre + "post_attention_layernorm.weight": L.attn_out_norm,
+                        pre + "pre_feedforward_layernorm.weight": L.post_norm,
+                        pre + "post_feedforward_layernorm.weight": L.mlp_out_norm}
+            else:
+                out[pre + "post_attention_layernorm.weight"] = L.post_norm
+            if cfg.fused_checkpoint:
+                out[pre + "self_attn.qkv_proj.weight"] = L.qkv_w.dense()
+            else:
+                wq, wk, wv = L.qkv_w.dense().split([q, kv, kv])
+                out |= {pre + "self_attn.q_proj.weight": wq, pre + "self_attn.k_proj.weight": wk,
+                        pre + "self_attn.v_proj.weight": wv}
+            out[pre + "self_attn.o_proj.weight"] = L.o_w.dense()
+            if L.qkv_b is not None:
+                bq, bk, bv = L.qkv_b.split([q, kv, kv])
                 out |= {pre + "self_attn.q_proj.bias": bq, pre + "self_attn.k_proj.bias": bk,
                         pre + "self_attn.v_proj.bias": bv}
-            g, u = L.gate_up_proj.dense().split([inter, inter])
-            out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u}
+            if L.qk_norm_w is not None:
+                out |= {pre + "self_attn.q_norm.weight": L.qk_norm_w[0],
+                        pre + "self_attn.k_norm.weight": L.qk_norm_w[cfg.num_heads]}
+            if L.router_w is not None:
+                out |= experts_state_dict(L, pre, cfg.moe)
+            elif cfg.fused_checkpoint:
+                out |= {pre + "mlp.gate_up_proj.weight": L.gate_up_w.dense(),
+                        pre + "mlp.down_proj.weight": L.down_w.dense()}
+            else:
+                g, u = L.gate_up_w.dense().split([inter, inter])
+                out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u,
+                        pre + "mlp.down_proj.weight": L.down_w.dense()}
         return {k: v.contiguous() for k, v in out.items()}
 
     def to_device(self, device: torch.device) -> None:
@@ -150,20 +223,24 @@ class LlamaForCausalLM:
         self.lm_head = self.embed if self.tied else None
         for layer in self.layers:
             for name in LlamaLayer.__slots__:  # tensors and Linears alike
-                setattr(layer, name, getattr(layer, name).to(device))
+                t = getattr(layer, name)
+                if t is not None:
+                    setattr(layer, name, t.to(device))
         self.cos = self.cos.to(device)
         self.sin = self.sin.to(device)
+        if self.embed_scale is not None:
+            self.embed_scale = self.embed_scale.to(device)
         self.device = device
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights as loaded (the packed LM head of a tied model is extra)."""
-        total = sum(t.numel() * t.element_size() for t in (self.embed, self.norm))
-        if not self.tied:
-            total += self.lm_head_proj.nbytes()
-        for L in self.layers:
-            total += sum(t.numel() * t.element_size() for t in (L.input_norm, L.post_norm))
-            total += sum(p.nbytes() for p in (L.qkv_proj, L.o_proj, L.gate_up_proj, L.down_proj))
-        return total
+        """Bytes of the weights as held (a tied model's packed LM head not counted)."""
+        def size(t) -> int:
+            if isinstance(t, Linear):
+                return t.nbytes() - (0 if t.bias is None else t.bias.numel() * t.bias.element_size())
+            return 0 if t is None else t.numel() * t.element_size()
+
+        total = size(self.embed) + size(self.norm) + (0 if self.tied else self.lm_head_proj.nbytes())
+        return total + sum(size(getattr(L, name)) for L in self.layers for name in LlamaLayer.__slots__)
 
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -179,38 +256,62 @@ class LlamaForCausalLM:
         T = input_ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.q_size, self.kv_size
-        eps = cfg.rms_norm_eps
+        eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
+        windows, soft_cap = cfg.layer_windows, cfg.attn_logit_softcap
         rope = RotaryStep(self.cos, self.sin, positions)
         h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         delta: torch.Tensor | None = None  # the last block's output, not yet added to h
         qkv_t, o_t, gu_t, down_t = self._lora_targets
         for li, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             if delta is None:
-                x = rms_norm(h, layer.input_norm, eps)
+                x = rms_norm(h, layer.input_norm, eps, plus_one)
             else:
-                h, x = add_rms_norm(h, delta, layer.input_norm, eps)
-            qkv = layer.qkv_proj(x)
+                h, x = add_rms_norm(h, delta, layer.input_norm, eps, plus_one)
+            qkv = layer.qkv_w(x)
             if lora is not None:
                 lora.apply(qkv, x, li, qkv_t)
-            # q and k sit side by side in qkv: rotate both with one call.
-            qk = rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D))
+            # q and k sit side by side in qkv: normalise and rotate both with one set of ops.
+            qk = qkv[:, : q_size + kv_size].view(T, H + Hkv, D)
+            if layer.qk_norm_w is not None:
+                qk = rms_norm(qk, layer.qk_norm_w, eps)
+            qk = rope(qk)
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
-            attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale)
-            o = layer.o_proj(attn)
+            attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale,
+                                   sliding_window=windows[li], logits_soft_cap=soft_cap)
+            o = layer.o_w(attn)
             if lora is not None:
                 lora.apply(o, attn, li, o_t)
-            h, x = add_rms_norm(h, o, layer.post_norm, eps)
-            gu = layer.gate_up_proj(x)
-            if lora is not None:
-                lora.apply(gu, x, li, gu_t)
-            act = silu_and_mul(gu)
-            delta = layer.down_proj(act)
-            if lora is not None:
-                lora.apply(delta, act, li, down_t)
+            if layer.attn_out_norm is not None:
+                o = rms_norm(o, layer.attn_out_norm, eps, plus_one)
+            h, x = add_rms_norm(h, o, layer.post_norm, eps, plus_one)
+            if layer.router_w is not None:
+                down = moe_mlp(x, layer.router_w, layer.experts_gate_up_w, layer.experts_down_w,
+                               cfg.moe, self.act)
+            else:
+                gu = layer.gate_up_w(x)
+                if lora is not None:
+                    lora.apply(gu, x, li, gu_t)
+                if self.silu:
+                    act = silu_and_mul(gu)
+                else:
+                    gate, up = gu.chunk(2, dim=-1)
+                    act = self.act(gate) * up
+                down = layer.down_w(act)
+                if lora is not None:
+                    lora.apply(down, act, li, down_t)
+            if layer.mlp_out_norm is not None:
+                down = rms_norm(down, layer.mlp_out_norm, eps, plus_one)
+            delta = down
         if delta is None:
-            return rms_norm(h, self.norm, eps)
-        return add_rms_norm(h, delta, self.norm, eps)[1]
+            return rms_norm(h, self.norm, eps, plus_one)
+        return add_rms_norm(h, delta, self.norm, eps, plus_one)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_proj(hidden).float()
+        logits = self.lm_head_proj(hidden)
+        cap = self.cfg.final_logit_softcap
+        if cap:  # Gemma 2, in the model dtype as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
