@@ -1,5 +1,5 @@
 // torch's CPU wheel ships libgomp and runs its intra-op parallelism on it.
-// Calling GOMP_parallel of that same copy (found among the loaded objects,
+// Calling GOMP_parallel of that same copy (the one libtorch_cpu resolves,
 // never loaded a second time) is what `#pragma omp parallel` inside torch
 // does: the kernels run on the team torch's ops run on. Linking our own
 // OpenMP would start a second pool that fights torch's spinning workers for
@@ -30,11 +30,21 @@ const OpenMP& openmp() {
   static OpenMP omp;
   std::call_once(once, [] {
 #if defined(__linux__)
+    // The GOMP_parallel torch itself binds to: looked up through libtorch_cpu's
+    // handle (its dependencies, in load order), since another package may have
+    // loaded a libgomp of its own (scikit-learn ships one) before or after it.
     std::string path;
-    void* handle = find_loaded_library("libgomp", &path);
+    void* handle = find_loaded_library("libtorch_cpu", &path);
+    if (handle == nullptr) handle = find_loaded_library("libgomp", &path);
     if (handle == nullptr) return;
     omp.parallel = reinterpret_cast<GompParallel>(dlsym(handle, "GOMP_parallel"));
-    if (omp.parallel != nullptr) omp.path = path;
+    Dl_info info;
+    if (omp.parallel != nullptr && dladdr(reinterpret_cast<void*>(omp.parallel), &info) != 0 &&
+        info.dli_fname != nullptr) {
+      omp.path = info.dli_fname;
+    } else {
+      omp.parallel = nullptr;
+    }
 #endif
   });
   return omp;

@@ -151,3 +151,16 @@ def test_dispatch_follows_the_switch(monkeypatch, hot_path):
     calls.clear()
     paged_attention(q.half(), kn.half(), vn.half(), kc.half(), vc.half(), meta, 0.2)
     assert calls == ["paged_attention_torch"]
+
+
+def test_kernels_split_work_on_torchs_own_openmp():
+    """The team torch's ops run on, never a second OpenMP runtime another package
+    loaded (scikit-learn ships its own libgomp)."""
+    import glob
+    import os
+
+    torch_gomp = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*"))
+    info = _native._ext.cpu_kernels_info()
+    assert info["isa"] in ("avx512", "avx2", "baseline")
+    if torch_gomp:  # the CPU wheel bundles it
+        assert os.path.realpath(info["openmp"]) in {os.path.realpath(p) for p in torch_gomp}
