@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.enginecore-installed
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py')
+SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py' -o -name '*.pyx')
 PROMPT ?= What is the capital of France?
 
 .PHONY: install run test bench gpu-check clean

@@ -61,7 +61,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config,
             num_blocks,
-            log_stats=log_stats and config.log_iteration_details,
+            log_stats=log_stats,
+            log_iteration_details=config.log_iteration_details,
             track_in_flight=self.batch_queue is not None,
         )
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue

@@ -10,7 +10,8 @@ import time
 def run_generate(args: argparse.Namespace) -> int:
     from enginecore.config import EngineArgs
     from enginecore.core.engine_core import EngineCore
-    from enginecore.model.tokenizer import IncrementalDecoder, Tokenizer
+    from enginecore.frontend.detokenizer import DetokenizerFactory
+    from enginecore.model.tokenizer import Tokenizer
     from enginecore.protocol import EngineCoreRequest
     from enginecore.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
     engine.add_request(EngineCoreRequest("cli", ids, params))
-    decoder = IncrementalDecoder(tokenizer)
+    decoder = DetokenizerFactory(tokenizer).new(True, ids)
     t_first = None
     n = 0
     reason = None
@@ -39,7 +40,12 @@ def run_generate(args: argparse.Namespace) -> int:
                 if o.new_token_ids and t_first is None:
                     t_first = time.perf_counter()
                 n += len(o.new_token_ids)
-                sys.stdout.write(decoder.push(o.new_token_ids))
+                new = o.new_token_ids
+                if o.finish_reason is not None and str(o.finish_reason) == "stop" and new:
+                    new = new[:-1]  # EOS / stop token: not part of the answer
+                sys.stdout.write(decoder.decode(new))
+                if o.finish_reason is not None:
+                    sys.stdout.write(decoder.flush())
                 sys.stdout.flush()
                 if o.finish_reason is not None:
                     reason = o.finish_reason
