@@ -14,10 +14,9 @@
 
 #if defined(__linux__)
 #include <dlfcn.h>
-#include <link.h>
-#define ENGINECORE_FIND_LIBZMQ 1
 #endif
 
+#include "loaded_library.h"
 #include "output_encoder.h"
 
 namespace py = pybind11;
@@ -32,25 +31,11 @@ struct LibZmq {
   std::string path;
 };
 
-#ifdef ENGINECORE_FIND_LIBZMQ
-int find_loaded(struct dl_phdr_info* info, size_t, void* data) {
-  const char* name = info->dlpi_name;
-  if (name != nullptr && std::strstr(name, "libzmq") != nullptr) {
-    static_cast<std::string*>(data)->assign(name);
-    return 1;
-  }
-  return 0;
-}
-
-#endif
-
 LibZmq find_libzmq() {
   LibZmq z;
-#ifdef ENGINECORE_FIND_LIBZMQ
+#if defined(__linux__)
   std::string path;
-  dl_iterate_phdr(find_loaded, &path);
-  if (path.empty()) return z;
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  void* handle = find_loaded_library("libzmq", &path);
   if (handle == nullptr) return z;
   z.send = reinterpret_cast<int (*)(void*, const void*, size_t, int)>(dlsym(handle, "zmq_send"));
   z.errno_fn = reinterpret_cast<int (*)()>(dlsym(handle, "zmq_errno"));

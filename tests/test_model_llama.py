@@ -84,16 +84,16 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_llama):
     assert first_tokens >= 4
 
 
-def test_decode_attention_is_batched(tiny_llama, monkeypatch):
+def test_decode_attention_is_batched(tiny_llama, monkeypatch, hot_path):
     """Many decodes in one step: one attention call per layer covers all of them."""
-    import enginecore.model.attention as attn
+    import enginecore.model.llama as llama
 
     calls = []
-    real = attn._decode
+    real = llama.paged_attention
 
-    def counting(q, *a, **k):
-        calls.append(q.shape[0])
-        return real(q, *a, **k)
+    def counting(q, k, v, k_cache, v_cache, meta, *a, **kw):
+        calls.append((meta.num_seqs, q.shape[0]))
+        return real(q, k, v, k_cache, v_cache, meta, *a, **kw)
 
     eng = EngineCore(EngineArgs(model=tiny_llama, dtype="float32", block_size=4,
                                 max_model_len=128).create_engine_config())
@@ -101,9 +101,9 @@ def test_decode_attention_is_batched(tiny_llama, monkeypatch):
         eng.add_request(EngineCoreRequest(str(i), [i + 3, i + 4, 5], SamplingParams(
             max_tokens=4, temperature=0, ignore_eos=True)))
     eng.step()  # prefills
-    monkeypatch.setattr(attn, "_decode", counting)
+    monkeypatch.setattr(llama, "paged_attention", counting)
     eng.step()  # 16 decodes
-    assert calls == [16, 16]  # two layers, all 16 requests in each call
+    assert calls == [(16, 16), (16, 16)]  # two layers, all 16 requests in each call
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

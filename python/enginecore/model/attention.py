@@ -1,27 +1,39 @@
-"""Paged attention in torch: write the step's K/V into the cache by slot, then
-attend over each request's cached prefix plus its new tokens.
+"""Paged attention: write the step's K/V into the cache by slot, then attend
+each sequence's query tokens over its cached prefix plus its new tokens.
 
-Decode tokens (one query token per request) are attended in ONE batched call
-over a padded gather of their contexts; prefill chunks (several query tokens)
-are attended one request at a time, each as one call. The tables that drive
-both are built once per step (``AttentionMetadata``) and shared by all layers.
-Grouped-query attention folds the query heads of each KV head into the query
-length, so K/V are never repeated.
+One layout describes a step for every layer (``AttentionMetadata``): the
+sequences' query tokens are contiguous in the flat batch (``query_start_loc``),
+each has a context length after this step (``seq_lens``) and a block table.
+Query token ``i`` of a sequence with ``n`` new tokens sits at position
+``seq_len - n + i`` and sees positions ``<=`` its own (and, with a sliding
+window ``W``, only the last ``W`` of them).
 
-A layer with a sliding window (Mistral, Gemma 2, ...) sees only the last
-``sliding_window`` positions up to its own (key position > query position -
-window, as transformers' mask); its masks are derived once per step and window.
-``logits_soft_cap`` (Gemma 2) caps the scaled scores with cap * tanh(s / cap)
-before the mask, which SDPA cannot do, so prefill then takes the explicit path.
-The whole context stays in the cache either way.
+Two implementations behind one switch (``enginecore._native``):
+- native (csrc/paged_attention.cpp): one call per layer writes the cache and
+  reads K/V in place through the block table, grouped-query heads sharing
+  each K/V row, fp32 accumulation with an online softmax; float32 and
+  bfloat16 on the CPU.
+- torch (``paged_attention_torch``, the twin; also CUDA and float16): decode
+  tokens in ONE batched call over a padded gather of their contexts, prefill
+  chunks one call each. GQA folds the query heads of each KV head into the
+  query length, so K/V are never repeated.
+They agree within float tolerance (tests/test_paged_attention.py), not bit for
+bit: the accumulation order differs.
+
+``sliding_window`` and ``logits_soft_cap`` (``cap * tanh(scores / cap)``,
+applied after scaling) are supported by both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from enginecore import _native
+from enginecore.model.fused_ops import NATIVE_DTYPES
 
 
 @dataclass
@@ -35,16 +47,62 @@ class PrefillPiece:
 
 
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] slot of each new token
-    num_tokens: int
+class TorchTables:
+    """The twin's gather tables for one step (and one sliding window)."""
+
     decode_token_idx: torch.Tensor | None  # [Bd] positions in the flat batch
-    decode_slots: torch.Tensor | None  # [Bd, Ld] context slots, padded
+    decode_slots: torch.Tensor | None  # [Bd, Ld] context slots, padded with the scratch slot
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Ld] True = attend
     all_decode: bool
     prefills: list[PrefillPiece]
-    # window -> (decode mask, prefill masks) with the window applied (built on first use).
-    windowed: dict[int, tuple] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64 slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32 context length including this step's tokens
+    block_table: torch.Tensor  # [B, max_blocks] int32, padded with the scratch block
+    block_size: int
+    scratch_slot: int  # a zeroed slot: what padded reads of the twin see
+    num_tokens: int
+    # numpy views of the same tables (the twin builds its gathers from them)
+    query_start_np: np.ndarray = field(repr=False, default=None)
+    seq_lens_np: np.ndarray = field(repr=False, default=None)
+    block_table_np: np.ndarray = field(repr=False, default=None)
+    _tables: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_np)
+
+    def torch_tables(self, group: int, sliding_window: int | None) -> TorchTables:
+        key = (group, sliding_window)
+        tables = self._tables.get(key)
+        if tables is None:
+            tables = self._tables[key] = _build_torch_tables(self, group, sliding_window)
+        return tables
+
+
+def make_attention_metadata(slot_mapping: np.ndarray, query_start_loc: np.ndarray,
+                            seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
+                            scratch_slot: int, device: torch.device) -> AttentionMetadata:
+    """numpy tables -> metadata (the tensors share the arrays' memory on the CPU)."""
+    qs = np.ascontiguousarray(query_start_loc, dtype=np.int32)
+    sl = np.ascontiguousarray(seq_lens, dtype=np.int32)
+    bt = np.ascontiguousarray(block_table, dtype=np.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(device),
+        query_start_loc=torch.from_numpy(qs).to(device),
+        seq_lens=torch.from_numpy(sl).to(device),
+        block_table=torch.from_numpy(bt).to(device),
+        block_size=block_size, scratch_slot=scratch_slot, num_tokens=int(qs[-1]),
+        query_start_np=qs, seq_lens_np=sl, block_table_np=bt)
+
+
+def native_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype in NATIVE_DTYPES and k_cache.dtype == q.dtype
+            and q.stride(-1) == 1 and k_cache.is_contiguous())
 
 
 def paged_attention(
@@ -59,69 +117,121 @@ def paged_attention(
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Returns [T, H * D]."""
+    ext = _native.extension()
+    if ext is not None and native_attention_supported(q, k_cache):
+        return paged_attention_native(ext, q, k, v, k_cache, v_cache, meta, scale,
+                                      sliding_window, logits_soft_cap)
+    return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window,
+                                 logits_soft_cap)
+
+
+def paged_attention_native(ext, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None,
+                           logits_soft_cap=None) -> torch.Tensor:
     T, H, D = q.shape
-    Hkv = k.shape[1]
+    out = q.new_empty(T, H, D)
+    if k is not None:
+        assert k.stride(-1) == 1 and v.stride(-1) == 1 and meta.slot_mapping.is_contiguous()
+    ext.paged_attention(
+        out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
+        0 if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
+        0 if k is None else k.stride(1), 0 if v is None else v.data_ptr(),
+        0 if v is None else v.stride(0), 0 if v is None else v.stride(1),
+        meta.slot_mapping.data_ptr(), T, k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(0), k_cache.stride(1), meta.block_table.data_ptr(),
+        meta.block_table.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+        meta.num_seqs, H, k_cache.shape[1], D, meta.block_size, NATIVE_DTYPES[q.dtype],
+        float(scale), float(logits_soft_cap or 0.0), int(sliding_window or 0),
+        torch.get_num_threads())
+    return out.view(T, H * D)
+
+
+def paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None,
+                          logits_soft_cap=None) -> torch.Tensor:
+    """The twin: gathers each context's K/V by slot, attends with torch ops."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[1]
     G = H // Hkv
     # All new K/V of this layer land in the cache before any query reads it.
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    decode_mask, prefill_masks = meta.decode_mask, [p.mask for p in meta.prefills]
-    if sliding_window is not None:
-        decode_mask, prefill_masks = _windowed_masks(meta, sliding_window, G)
-    if meta.all_decode:
-        return _decode(q, k_cache, v_cache, meta.decode_slots, decode_mask, scale, Hkv, G,
+    if k is not None:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+    tables = meta.torch_tables(G, sliding_window)
+    if tables.all_decode:
+        return _decode(q, k_cache, v_cache, tables, scale, Hkv, G,
                        logits_soft_cap).reshape(T, H * D)
     out = q.new_empty(T, H, D)
-    if meta.decode_token_idx is not None:
-        qd = q.index_select(0, meta.decode_token_idx)
-        out.index_copy_(0, meta.decode_token_idx, _decode(
-            qd, k_cache, v_cache, meta.decode_slots, decode_mask, scale, Hkv, G, logits_soft_cap))
-    for p, mask in zip(meta.prefills, prefill_masks):
+    if tables.decode_token_idx is not None:
+        qd = q.index_select(0, tables.decode_token_idx)
+        out.index_copy_(0, tables.decode_token_idx,
+                        _decode(qd, k_cache, v_cache, tables, scale, Hkv, G, logits_soft_cap))
+    for p in tables.prefills:
         n = p.end - p.start
         qh = q[p.start : p.end].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
         kh = k_cache.index_select(0, p.ctx_slots).transpose(0, 1)
         vh = v_cache.index_select(0, p.ctx_slots).transpose(0, 1)
-        if logits_soft_cap is None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        if logits_soft_cap:
+            scores = _soft_cap(torch.matmul(qh, kh.transpose(-1, -2)).float() * scale,
+                               logits_soft_cap)
+            probs = torch.softmax(scores.masked_fill(~p.mask, float("-inf")), dim=-1)
+            o = torch.matmul(probs.to(vh.dtype), vh)
         else:
-            o = _explicit(qh, kh, vh, mask, scale, logits_soft_cap)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, scale=scale)
         out[p.start : p.end] = o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
     return out.view(T, H * D)
 
 
-def _explicit(q, k, v, mask, scale, soft_cap):
-    """Attention with the scores in float32: scale, soft-cap, mask, softmax."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if soft_cap is not None:
-        scores = torch.tanh(scores / soft_cap) * soft_cap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(scores / cap) * cap
 
 
-def _windowed_masks(meta: AttentionMetadata, window: int, G: int):
-    cached = meta.windowed.get(window)
-    if cached is not None:
-        return cached
-    decode_mask = meta.decode_mask
-    if decode_mask is not None:  # [Bd, 1, 1, L]: context length = count of True
-        ctx = decode_mask.sum(-1, keepdim=True)
-        pos = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
-        decode_mask = decode_mask & (pos > ctx - 1 - window)
-    prefill_masks = []
-    for p in meta.prefills:  # queries are the last n of the ctx positions, G groups
-        n, ctx = p.end - p.start, p.mask.shape[1]
-        kpos = torch.arange(ctx, device=p.mask.device)
-        qpos = kpos[ctx - n :]
-        prefill_masks.append(p.mask & (kpos[None, :] > qpos[:, None] - window).repeat(G, 1))
-    meta.windowed[window] = (decode_mask, prefill_masks)
-    return decode_mask, prefill_masks
-
-
-def _decode(q, k_cache, v_cache, slots, mask, scale, Hkv, G, soft_cap=None):
+def _decode(q, k_cache, v_cache, tables: TorchTables, scale, Hkv, G, logits_soft_cap=None):
     Bd, H, D = q.shape
+    slots = tables.decode_slots
     L = slots.shape[1]
     kd = k_cache.index_select(0, slots.reshape(-1)).view(Bd, L, Hkv, D).transpose(1, 2)
     vd = v_cache.index_select(0, slots.reshape(-1)).view(Bd, L, Hkv, D).transpose(1, 2)
     # Plain batched matmuls: with G query rows per KV head, SDPA's CPU flash kernel
     # (built for long queries) took ~4x longer than this at batch 64 (profiled).
-    return _explicit(q.view(Bd, Hkv, G, D), kd, vd, mask, scale, soft_cap).reshape(Bd, H, D)
+    scores = torch.matmul(q.view(Bd, Hkv, G, D), kd.transpose(-1, -2)).float() * scale
+    if logits_soft_cap:
+        scores = _soft_cap(scores, logits_soft_cap)
+    scores = scores.masked_fill(~tables.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+    return torch.matmul(probs, vd).reshape(Bd, H, D)
+
+
+def _build_torch_tables(meta: AttentionMetadata, G: int, window: int | None) -> TorchTables:
+    qs, sl, bt, bs = meta.query_start_np, meta.seq_lens_np, meta.block_table_np, meta.block_size
+    dev = meta.slot_mapping.device
+    qlen = np.diff(qs)
+    dec = np.flatnonzero(qlen == 1)
+    decode_token_idx = decode_slots = decode_mask = None
+    if len(dec):
+        ctx = sl[dec].astype(np.int64)
+        L = int(ctx.max())
+        ar = np.arange(L)
+        table = bt[dec][:, ar // bs].astype(np.int64)
+        visible = ar[None, :] < ctx[:, None]
+        if window:
+            visible &= ar[None, :] > (ctx[:, None] - 1 - window)
+        # Positions a query must not see read the zeroed scratch slot, not the
+        # unwritten tail of its last block: the cache is torch.empty, and a NaN
+        # there survives the mask (0 * NaN) and poisons the whole row.
+        dslots = np.where(visible, table * bs + ar % bs, meta.scratch_slot)
+        decode_slots = torch.from_numpy(np.ascontiguousarray(dslots)).to(dev)
+        decode_mask = torch.from_numpy(visible).view(len(dec), 1, 1, L).to(dev)
+        decode_token_idx = torch.from_numpy(qs[dec].astype(np.int64)).to(dev)
+    prefills = []
+    for s in np.flatnonzero(qlen > 1):
+        n, c = int(qlen[s]), int(sl[s])
+        pos = np.arange(c)
+        ctx_slots = bt[s, pos // bs].astype(np.int64) * bs + pos % bs
+        q_pos = np.arange(c - n, c)
+        mask = pos[None, :] <= q_pos[:, None]
+        if window:
+            mask &= pos[None, :] > (q_pos[:, None] - window)
+        prefills.append(PrefillPiece(int(qs[s]), int(qs[s + 1]),
+                                     torch.from_numpy(ctx_slots).to(dev),
+                                     torch.from_numpy(mask).repeat(G, 1).to(dev)))
+    return TorchTables(decode_token_idx, decode_slots, decode_mask, len(dec) == len(qlen),
+                       prefills)

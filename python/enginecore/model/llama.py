@@ -4,7 +4,11 @@ paged KV cache. What differs between families is data in LlamaArchConfig
 (model/arch_config.py); here it is a handful of ``if`` hooks.
 
 Weights are held fused per layer (q|k|v and gate|up) so a step issues few
-large matmuls; ``state_dict_hf`` gives them back under the checkpoint's names.
+large matmuls, each a ``Linear`` pre-packed at load for the CPU GEMM
+(model/linear.py); ``state_dict_hf`` gives them back plain under the
+checkpoint's names. Norms, the residual adds, RoPE and SiLU-and-mul go
+through fused ops with native twins (model/fused_ops.py, rope.RotaryStep),
+attention through ``paged_attention``.
 """
 
 from __future__ import annotations
@@ -16,21 +20,11 @@ import torch.nn.functional as F
 
 from enginecore.model.arch_config import LlamaArchConfig
 from enginecore.model.attention import AttentionMetadata, paged_attention
+from enginecore.model.fused_ops import add_rms_norm, rms_norm, silu_and_mul
+from enginecore.model.linear import Linear, packing_enabled
 from enginecore.model.lora import LoRABatch
 from enginecore.model.moe import experts_state_dict, moe_mlp, take_experts
-from enginecore.model.rope import apply_rope, rope_cos_sin
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             plus_one: bool = False) -> torch.Tensor:
-    # As transformers does: normalise in float32, scale in the model dtype; Gemma
-    # scales by (1 + w) in float32 and casts last.
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if plus_one:
-        return (xf * (1.0 + weight.float())).to(dtype)
-    return weight * xf.to(dtype)
+from enginecore.model.rope import RotaryStep, rope_cos_sin
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +35,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 class LlamaLayer:
+    # qkv_w, o_w, gate_up_w, down_w hold ``Linear``s once loaded (bias inside qkv_w too)
     __slots__ = ("input_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w",
                  # Qwen3: [H + Hkv, D] q-norm rows then k-norm rows (one norm call for both)
                  "qk_norm_w",
@@ -62,11 +57,16 @@ class LlamaForCausalLM:
         self.layers: list[LlamaLayer] = []
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
+        # The LM head: plain only when tied (it is the embedding), else just packed.
         self.lm_head: torch.Tensor | None = None
+        self.lm_head_proj: Linear | None = None
+        self.tied = cfg.tie_word_embeddings
+        self.pack = packing_enabled(dtype, device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.scale
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.silu = cfg.hidden_act == "silu"  # SiLU-and-mul has a fused op
         # transformers multiplies by the scale cast to the weights' dtype.
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=dtype, device=device)
                             if cfg.embed_scale is not None else None)
@@ -113,7 +113,20 @@ class LlamaForCausalLM:
             if not cfg.tie_word_embeddings:
                 raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
             self.lm_head = self.embed
-        self.layers = [self._build_layer(i, p) for i, p in enumerate(parts)]
+        self.tied = self.lm_head is self.embed
+        self.lm_head_proj = Linear(self.lm_head, pack=self.pack)
+        if not self.tied:
+            self.lm_head = None
+        self.layers = [self._as_linears(self._build_layer(i, p)) for i, p in enumerate(parts)]
+
+    def _as_linears(self, layer: LlamaLayer) -> LlamaLayer:
+        """The layer's projections as ``Linear``s (packed for the CPU GEMM once, here)."""
+        layer.qkv_w = Linear(layer.qkv_w, layer.qkv_b, self.pack)
+        layer.o_w = Linear(layer.o_w, pack=self.pack)
+        if layer.gate_up_w is not None:
+            layer.gate_up_w = Linear(layer.gate_up_w, pack=self.pack)
+            layer.down_w = Linear(layer.down_w, pack=self.pack)
+        return layer
 
     def _build_layer(self, i: int, p: dict[str, torch.Tensor]) -> LlamaLayer:
         cfg = self.cfg
@@ -165,8 +178,8 @@ class LlamaForCausalLM:
         cfg = self.cfg
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed,
                                         "model.norm.weight": self.norm}
-        if self.lm_head is not self.embed:
-            out["lm_head.weight"] = self.lm_head
+        if not self.tied:
+            out["lm_head.weight"] = self.lm_head_proj.dense()
         q, kv, inter = self.q_size, self.kv_size, cfg.intermediate_size
         for i, L in enumerate(self.layers):
             pre = f"model.layers.{i}."
@@ -178,12 +191,12 @@ class LlamaForCausalLM:
             else:
                 out[pre + "post_attention_layernorm.weight"] = L.post_norm
             if cfg.fused_checkpoint:
-                out[pre + "self_attn.qkv_proj.weight"] = L.qkv_w
+                out[pre + "self_attn.qkv_proj.weight"] = L.qkv_w.dense()
             else:
-                wq, wk, wv = L.qkv_w.split([q, kv, kv])
+                wq, wk, wv = L.qkv_w.dense().split([q, kv, kv])
                 out |= {pre + "self_attn.q_proj.weight": wq, pre + "self_attn.k_proj.weight": wk,
                         pre + "self_attn.v_proj.weight": wv}
-            out[pre + "self_attn.o_proj.weight"] = L.o_w
+            out[pre + "self_attn.o_proj.weight"] = L.o_w.dense()
             if L.qkv_b is not None:
                 bq, bk, bv = L.qkv_b.split([q, kv, kv])
                 out |= {pre + "self_attn.q_proj.bias": bq, pre + "self_attn.k_proj.bias": bk,
@@ -194,22 +207,22 @@ class LlamaForCausalLM:
             if L.router_w is not None:
                 out |= experts_state_dict(L, pre, cfg.moe)
             elif cfg.fused_checkpoint:
-                out |= {pre + "mlp.gate_up_proj.weight": L.gate_up_w,
-                        pre + "mlp.down_proj.weight": L.down_w}
+                out |= {pre + "mlp.gate_up_proj.weight": L.gate_up_w.dense(),
+                        pre + "mlp.down_proj.weight": L.down_w.dense()}
             else:
-                g, u = L.gate_up_w.split([inter, inter])
+                g, u = L.gate_up_w.dense().split([inter, inter])
                 out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u,
-                        pre + "mlp.down_proj.weight": L.down_w}
+                        pre + "mlp.down_proj.weight": L.down_w.dense()}
         return {k: v.contiguous() for k, v in out.items()}
 
     def to_device(self, device: torch.device) -> None:
         """Move every weight (sleep level 1 on CUDA parks them in host memory)."""
-        tied = self.lm_head is self.embed
         self.embed = self.embed.to(device)
         self.norm = self.norm.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        self.lm_head_proj = self.lm_head_proj.to(device)
+        self.lm_head = self.embed if self.tied else None
         for layer in self.layers:
-            for name in LlamaLayer.__slots__:
+            for name in LlamaLayer.__slots__:  # tensors and Linears alike
                 t = getattr(layer, name)
                 if t is not None:
                     setattr(layer, name, t.to(device))
@@ -220,7 +233,14 @@ class LlamaForCausalLM:
         self.device = device
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_dict_hf().values())
+        """Bytes of the weights as held (a tied model's packed LM head not counted)."""
+        def size(t) -> int:
+            if isinstance(t, Linear):
+                return t.nbytes() - (0 if t.bias is None else t.bias.numel() * t.bias.element_size())
+            return 0 if t is None else t.numel() * t.element_size()
+
+        total = size(self.embed) + size(self.norm) + (0 if self.tied else self.lm_head_proj.nbytes())
+        return total + sum(size(getattr(L, name)) for L in self.layers for name in LlamaLayer.__slots__)
 
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -238,52 +258,59 @@ class LlamaForCausalLM:
         q_size, kv_size = self.q_size, self.kv_size
         eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
         windows, soft_cap = cfg.layer_windows, cfg.attn_logit_softcap
-        cos = self.cos.index_select(0, positions)
-        sin = self.sin.index_select(0, positions)
+        rope = RotaryStep(self.cos, self.sin, positions)
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to h
         qkv_t, o_t, gu_t, down_t = self._lora_targets
         for li, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = rms_norm(h, layer.input_norm, eps, plus_one)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            if delta is None:
+                x = rms_norm(h, layer.input_norm, eps, plus_one)
+            else:
+                h, x = add_rms_norm(h, delta, layer.input_norm, eps, plus_one)
+            qkv = layer.qkv_w(x)
             if lora is not None:
                 lora.apply(qkv, x, li, qkv_t)
             # q and k sit side by side in qkv: normalise and rotate both with one set of ops.
             qk = qkv[:, : q_size + kv_size].view(T, H + Hkv, D)
             if layer.qk_norm_w is not None:
                 qk = rms_norm(qk, layer.qk_norm_w, eps)
-            qk = apply_rope(qk, cos, sin)
+            qk = rope(qk)
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
             attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale,
                                    sliding_window=windows[li], logits_soft_cap=soft_cap)
-            o = F.linear(attn, layer.o_w)
+            o = layer.o_w(attn)
             if lora is not None:
                 lora.apply(o, attn, li, o_t)
             if layer.attn_out_norm is not None:
                 o = rms_norm(o, layer.attn_out_norm, eps, plus_one)
-            h = h + o
-            x = rms_norm(h, layer.post_norm, eps, plus_one)
+            h, x = add_rms_norm(h, o, layer.post_norm, eps, plus_one)
             if layer.router_w is not None:
                 down = moe_mlp(x, layer.router_w, layer.experts_gate_up_w, layer.experts_down_w,
                                cfg.moe, self.act)
             else:
-                gu = F.linear(x, layer.gate_up_w)
+                gu = layer.gate_up_w(x)
                 if lora is not None:
                     lora.apply(gu, x, li, gu_t)
-                gate, up = gu.chunk(2, dim=-1)
-                act = self.act(gate) * up
-                down = F.linear(act, layer.down_w)
+                if self.silu:
+                    act = silu_and_mul(gu)
+                else:
+                    gate, up = gu.chunk(2, dim=-1)
+                    act = self.act(gate) * up
+                down = layer.down_w(act)
                 if lora is not None:
                     lora.apply(down, act, li, down_t)
             if layer.mlp_out_norm is not None:
                 down = rms_norm(down, layer.mlp_out_norm, eps, plus_one)
-            h = h + down
-        return rms_norm(h, self.norm, eps, plus_one)
+            delta = down
+        if delta is None:
+            return rms_norm(h, self.norm, eps, plus_one)
+        return add_rms_norm(h, delta, self.norm, eps, plus_one)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head)
+        logits = self.lm_head_proj(hidden)
         cap = self.cfg.final_logit_softcap
         if cap:  # Gemma 2, in the model dtype as transformers does
             logits = torch.tanh(logits / cap) * cap

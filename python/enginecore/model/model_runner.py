@@ -11,7 +11,7 @@ import torch
 
 from enginecore.config import EngineConfig
 from enginecore.model.arch_config import LlamaArchConfig, load_arch_config
-from enginecore.model.attention import AttentionMetadata, PrefillPiece
+from enginecore.model.attention import make_attention_metadata
 from enginecore.model.hf_loader import iterate_weights
 from enginecore.executor.lora_slots import LoRASlots
 from enginecore.model.llama import LlamaForCausalLM
@@ -244,14 +244,13 @@ class ModelRunner:
     def _prepare(self, so: SchedulerOutput, computed: dict[str, int]):
         bs = self.block_size
         reqs = self.requests
-        G = self.arch.num_heads // self.arch.num_kv_heads
+        num_seqs = len(so.num_scheduled_tokens)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_states: list[RequestState] = []
-        decode_ctx: list[int] = []
-        prefills: list[PrefillPiece] = []
+        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+        seq_lens = np.empty(num_seqs, dtype=np.int32)
+        states: list[RequestState] = []
         # (flat index of the first sampled position, request row, state, drafts)
         groups: list[tuple[int, int, RequestState, list[int]]] = []
         spec = so.scheduled_spec_decode_tokens
@@ -267,57 +266,31 @@ class ModelRunner:
                 input_ids.append(st.token_ids[c])
                 positions.append(c)
                 slots.append(st.block_ids[c // bs] * bs + c % bs)
-                decode_rows.append(start)
-                decode_states.append(st)
-                decode_ctx.append(c + 1)
             else:
                 if drafts:  # the last known token, then the drafts to verify
                     input_ids.extend(st.token_ids[c : c + n - len(drafts)])
                     input_ids.extend(drafts)
                 else:
                     input_ids.extend(st.token_ids[c : c + n])
-                pos = np.arange(c + n)
+                pos = np.arange(c, c + n)
                 blocks = np.asarray(st.block_ids, dtype=np.int64)
-                ctx_slots = blocks[pos // bs] * bs + pos % bs
                 positions.extend(range(c, c + n))
-                slots.extend(ctx_slots[c:].tolist())
-                q_pos = np.arange(c, c + n)
-                mask = torch.from_numpy(pos[None, :] <= q_pos[:, None])
-                prefills.append(PrefillPiece(
-                    start, start + n, torch.from_numpy(ctx_slots).to(self.device),
-                    mask.repeat(G, 1).to(self.device)))
+                slots.extend((blocks[pos // bs] * bs + pos % bs).tolist())
+            query_start[row + 1] = start + n
+            seq_lens[row] = c + n
+            states.append(st)
             if c + n - len(drafts) >= len(st.token_ids):
                 groups.append((start + n - 1 - len(drafts), row, st, list(drafts)))
+        # Block tables padded with the scratch block (attention never reads past a
+        # sequence's length; the twin's padded gathers read the zeroed scratch slot).
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        table = np.full((num_seqs, max_blocks), self.scratch_block, dtype=np.int32)
+        for i, st in enumerate(states):
+            blocks = st.block_ids[:max_blocks]
+            table[i, : len(blocks)] = blocks
         dev = self.device
-        T = len(input_ids)
-        decode_token_idx = decode_slots = decode_mask = None
-        if decode_rows:
-            Bd = len(decode_rows)
-            L = max(decode_ctx)
-            nb = -(-L // bs)
-            table = np.full((Bd, nb), self.scratch_block, dtype=np.int64)
-            for i, st in enumerate(decode_states):
-                blocks = st.block_ids[:nb]
-                table[i, : len(blocks)] = blocks
-            ar = np.arange(L)
-            ctx = np.asarray(decode_ctx)
-            # Positions past a request's context read the zeroed scratch slot, not the
-            # unwritten tail of its last block: the cache is torch.empty, and a NaN
-            # there survives the mask (0 * NaN) and poisons the whole row.
-            dslots = np.where(ar[None, :] < ctx[:, None], table[:, ar // bs] * bs + ar % bs,
-                              self.scratch_slot)
-            decode_slots = torch.from_numpy(np.ascontiguousarray(dslots)).to(dev)
-            decode_mask = torch.from_numpy(ar[None, :] < ctx[:, None]).view(Bd, 1, 1, L).to(dev)
-            decode_token_idx = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_tokens=T,
-            decode_token_idx=decode_token_idx,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            all_decode=len(decode_rows) == T,
-            prefills=prefills,
-        )
+        meta = make_attention_metadata(np.asarray(slots, dtype=np.int64), query_start, seq_lens,
+                                       table, bs, self.scratch_slot, dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, groups, lora_ranges)
@@ -328,10 +301,9 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             return
         n = max(1, min(num_tokens, self.block_size))
-        G = self.arch.num_heads // self.arch.num_kv_heads
-        slots = torch.arange(self.scratch_slot, self.scratch_slot + n, device=self.device)
-        mask = torch.ones(n, n, dtype=torch.bool).tril().repeat(G, 1).to(self.device)
-        meta = AttentionMetadata(slots, n, None, None, None, False,
-                                 [PrefillPiece(0, n, slots, mask)])
+        slots = np.arange(self.scratch_slot, self.scratch_slot + n)
+        meta = make_attention_metadata(slots, np.array([0, n]), np.array([n]),
+                                       np.array([[self.scratch_block]]), self.block_size,
+                                       self.scratch_slot, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         self.model.forward(ids, torch.arange(n, device=self.device), meta, self.kv_caches)

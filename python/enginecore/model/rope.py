@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from enginecore import _native
+from enginecore.model.fused_ops import NATIVE_DTYPES
 from enginecore.model.arch_config import LlamaArchConfig
 
 
@@ -73,3 +75,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = rd // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RotaryStep:
+    """RoPE for one step's positions, for every layer: native (csrc/fused_ops.cpp
+    ``rope``) rotates in place from the model-dtype tables, the same arithmetic
+    and roundings as ``apply_rope``; the torch twin gathers the step's cos/sin
+    rows once and calls ``apply_rope``."""
+
+    def __init__(self, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+        self.cos_table, self.sin_table, self.positions = cos_table, sin_table, positions
+        self.ext = _native.extension()
+        if (self.ext is None or cos_table.device.type != "cpu"
+                or cos_table.dtype not in NATIVE_DTYPES or not cos_table.is_contiguous()
+                or not sin_table.is_contiguous() or positions.dtype != torch.long):
+            self.ext = None
+            self.cos = cos_table.index_select(0, positions)
+            self.sin = sin_table.index_select(0, positions)
+        else:
+            self.positions = positions.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] (may be a view of the fused qkv): rotated x (the
+        first rotary_dim of each head; the rest passes through), the same tensor
+        on the native path."""
+        if self.ext is None or x.stride(-1) != 1 or x.dtype != self.cos_table.dtype:
+            if self.ext is not None:  # a caller's odd layout: gather for the twin
+                return apply_rope(x, self.cos_table.index_select(0, self.positions),
+                                  self.sin_table.index_select(0, self.positions))
+            return apply_rope(x, self.cos, self.sin)
+        T, heads, _ = x.shape
+        rotary_dim = self.cos_table.shape[-1]  # < head_dim: a partial rotary (Phi-3)
+        self.ext.rope(x.data_ptr(), x.stride(0), x.stride(1), self.positions.data_ptr(),
+                      self.cos_table.data_ptr(), self.sin_table.data_ptr(),
+                      self.cos_table.stride(0), T, heads, rotary_dim, NATIVE_DTYPES[x.dtype],
+                      torch.get_num_threads())
+        return x

@@ -1,0 +1,63 @@
+// The CPU model kernels compiled three times (AVX-512, AVX2+FMA, baseline)
+// from cpu_kernels_impl.h, and the choice among them by CPUID at first use,
+// so one build runs everywhere and vectorizes for the machine it runs on.
+#include "cpu_kernels.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace enginecore {
+
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#define ENGINECORE_MULTI_ISA 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace isa_avx512 {
+#include "cpu_kernels_impl.h"
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+#include "cpu_kernels_impl.h"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+namespace isa_baseline {
+#include "cpu_kernels_impl.h"
+}  // namespace isa_baseline
+
+namespace {
+
+template <typename Attend, typename Norm, typename Rope, typename Silu>
+CpuKernels table(const char* isa, Attend a, Norm n, Rope r, Silu s) {
+  return CpuKernels{isa, a, n, r, s};
+}
+
+CpuKernels choose() {
+#ifdef ENGINECORE_MULTI_ISA
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return table("avx512", isa_avx512::attend_items, isa_avx512::rms_norm, isa_avx512::rope,
+                 isa_avx512::silu_and_mul);
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return table("avx2", isa_avx2::attend_items, isa_avx2::rms_norm, isa_avx2::rope,
+                 isa_avx2::silu_and_mul);
+  }
+#endif
+  return table("baseline", isa_baseline::attend_items, isa_baseline::rms_norm,
+               isa_baseline::rope, isa_baseline::silu_and_mul);
+}
+
+}  // namespace
+
+const CpuKernels& cpu_kernels() {
+  static const CpuKernels k = choose();
+  return k;
+}
+
+}  // namespace enginecore

@@ -1,0 +1,97 @@
+// CPU model kernels (paged attention, RMSNorm, RoPE, SiLU-and-mul): their
+// parameter blocks and the per-instruction-set table cpu_kernels() picks.
+// Tensors arrive as raw pointers and element strides from Python (no libtorch).
+#pragma once
+
+#include <cstdint>
+
+namespace enginecore {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };
+
+// Positions per tile of the attention's online softmax.
+constexpr int kTile = 32;
+// Work items with at least this many query rows compute scores from a
+// transposed K tile (see attend_item).
+constexpr int kTransposedMinRows = 8;
+// At most this many query rows (tokens x heads of one KV head) per work item.
+constexpr int kMaxRows = 64;
+
+struct AttnParams {
+  DType dtype;
+  void* out;  // [tokens, heads, head_dim]
+  int64_t out_st, out_sh;
+  const void* q;  // [tokens, heads, head_dim], strided (a view of the fused qkv)
+  int64_t q_st, q_sh;
+  const void* k_cache;  // [slots, kv_heads, head_dim]
+  const void* v_cache;
+  int64_t c_ss, c_sh;
+  const int32_t* block_table;  // [seqs, bt_stride]
+  int64_t bt_stride;
+  const int32_t* query_start;  // [seqs + 1] first query token of each sequence
+  const int32_t* seq_lens;     // [seqs] context length including this step's tokens
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  float soft_cap;      // <= 0: none
+  int sliding_window;  // <= 0: none
+};
+
+struct AttnItem {
+  int seq, kvh, q0, q1;
+};
+
+// Floats of scratch one work item needs (see attend_item's layout).
+inline int64_t attn_scratch_floats(int rows, int head_dim) {
+  return 2LL * rows * head_dim + static_cast<int64_t>(rows) * kTile + 3LL * rows +
+         static_cast<int64_t>(kTile) * head_dim + 16;
+}
+
+struct RmsNormParams {
+  DType dtype;
+  void* x;  // [rows, hidden]; with delta, h + delta is written back here
+  int64_t x_stride;
+  const void* delta;  // nullptr: no residual add
+  int64_t delta_stride;
+  const void* weight;
+  void* out;
+  int64_t out_stride;
+  int hidden;
+  float eps;
+};
+
+struct RopeParams {
+  DType dtype;
+  void* x;  // [tokens, heads, head_dim], rotated in place
+  int64_t x_st, x_sh;
+  const int64_t* positions;
+  const void* cos;  // [max_positions, table_stride] in the model dtype
+  const void* sin;
+  int64_t table_stride;
+  int num_heads, rotary_dim;
+};
+
+struct SiluMulParams {
+  DType dtype;
+  const void* x;  // [rows, 2 * width]: gate | up
+  int64_t x_stride;
+  void* out;  // [rows, width]
+  int64_t out_stride;
+  int width;
+};
+
+struct CpuKernels {
+  const char* isa;
+  void (*attend)(const AttnParams&, const AttnItem&, float* scratch);
+  void (*rms_norm)(const RmsNormParams&, int64_t row_begin, int64_t row_end);
+  void (*rope)(const RopeParams&, int64_t token_begin, int64_t token_end);
+  void (*silu_and_mul)(const SiluMulParams&, int64_t row_begin, int64_t row_end);
+};
+
+// The best variant this CPU runs (AVX-512, AVX2 or baseline), chosen once.
+const CpuKernels& cpu_kernels();
+
+}  // namespace enginecore

@@ -1,0 +1,19 @@
+// Work splitting for the CPU model kernels on torch's own OpenMP threads.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace enginecore {
+
+// Runs fn(ctx, i) for every i in [0, n), spread over `num_threads` threads of
+// the OpenMP runtime torch loaded (the same team torch's own ops use, so the
+// kernels never compete with idle-spinning torch workers), items handed out
+// one at a time from a shared counter. Serial when num_threads <= 1, n <= 1,
+// or no OpenMP runtime is loaded. Call without the GIL; fn must not throw.
+void parallel_for(int64_t n, int num_threads, void (*fn)(void* ctx, int64_t i), void* ctx);
+
+// Path of the OpenMP runtime parallel_for uses, or "" when it runs serially.
+std::string openmp_runtime_path();
+
+}  // namespace enginecore

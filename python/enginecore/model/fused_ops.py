@@ -1,0 +1,89 @@
+"""Element-wise model ops with a native twin each (csrc/fused_ops.cpp):
+RMSNorm (with the residual add before it) and SiLU-and-mul.
+
+The torch versions are the reference, written as transformers computes them;
+the native ones do the same arithmetic in one pass over memory and one call
+(the torch versions are 5-8 small ops each, which is what a batch-1 step is
+made of) and round to the model dtype at the same places, so in bfloat16 they
+give the same bits except where an fp32 sum or exp differs by an ulp before a
+rounding. Native: float32/bfloat16 on the CPU; anything else takes torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from enginecore import _native
+
+# dtype codes of the native kernels (csrc/cpu_kernels.h DType)
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _native_for(x: torch.Tensor):
+    ext = _native.extension()
+    if ext is None or x.device.type != "cpu" or x.dtype not in NATIVE_DTYPES:
+        return None
+    return ext
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   plus_one: bool = False) -> torch.Tensor:
+    # As transformers does: normalise in float32, scale in the model dtype; Gemma
+    # scales by (1 + w) in float32 and casts last.
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.float())).to(dtype)
+    return weight * xf.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             plus_one: bool = False) -> torch.Tensor:
+    """weight * RMSNorm(x) over the last dimension. Native for [rows, hidden] with
+    one weight row; per-head weights (Qwen3's q/k norms) and Gemma's (1 + w)
+    take the torch version."""
+    ext = _native_for(x)
+    if (ext is None or plus_one or x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 1
+            or weight.dtype != x.dtype):
+        return rms_norm_torch(x, weight, eps, plus_one)
+    out = torch.empty_like(x)
+    ext.rms_norm(x.data_ptr(), x.stride(0), 0, 0, weight.contiguous().data_ptr(), out.data_ptr(),
+                 out.stride(0), x.shape[0], x.shape[1], eps, NATIVE_DTYPES[x.dtype],
+                 torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, weight * RMSNorm(h + delta)): a decoder layer's residual add and
+    the norm after it. The native path adds into ``h`` in place (the residual
+    stream is the model's own buffer)."""
+    ext = _native_for(h)
+    if (ext is None or plus_one or h.dim() != 2 or not h.is_contiguous() or delta.stride(-1) != 1
+            or delta.dtype != h.dtype or weight.dtype != h.dtype or h.shape != delta.shape):
+        h = h + delta
+        return h, rms_norm_torch(h, weight, eps, plus_one)
+    out = torch.empty_like(h)
+    ext.rms_norm(h.data_ptr(), h.stride(0), delta.data_ptr(), delta.stride(0),
+                 weight.contiguous().data_ptr(), out.data_ptr(), out.stride(0), h.shape[0],
+                 h.shape[1], eps, NATIVE_DTYPES[h.dtype], torch.get_num_threads())
+    return h, out
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows of [gate | up] (the fused gate_up projection)."""
+    ext = _native_for(gate_up)
+    if ext is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        return silu_and_mul_torch(gate_up)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, width)
+    ext.silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows,
+                     width, NATIVE_DTYPES[gate_up.dtype], torch.get_num_threads())
+    return out

@@ -1,0 +1,85 @@
+"""Native fused element-wise ops (csrc/fused_ops.cpp) against their torch twins:
+the same arithmetic and roundings, so bfloat16 results are the twin's bits but
+for rare 1-ulp differences after an fp32 sum or exp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enginecore import _native
+from enginecore.model import fused_ops
+from enginecore.model.rope import RotaryStep, apply_rope
+
+pytestmark = pytest.mark.skipif(_native._ext is None, reason="native extension not built")
+
+
+@pytest.fixture
+def native():
+    previous = _native._enabled
+    _native.set_native(True)
+    yield
+    _native._enabled = previous
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of elements that differ (bf16: by one rounding step at most)."""
+    assert (a.float() - b.float()).abs().le(b.float().abs() * 2**-7 + 1e-30).all()
+    return (a != b).float().mean().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (300, 256)])
+def test_rms_norm_and_residual_add(native, dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
+    got = fused_ops.rms_norm(x, w, 1e-6)
+    want = fused_ops.rms_norm_torch(x, w, 1e-6)
+    h_want = x + delta
+    h_got, y_got = fused_ops.add_rms_norm(x.clone(), delta, w, 1e-6)
+    assert torch.equal(h_got, h_want)  # one rounding of the same sum
+    y_want = fused_ops.rms_norm_torch(h_want, w, 1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y_got, y_want, atol=1e-5, rtol=1e-5)
+    else:
+        assert ulps_apart(got, want) < 0.01 and ulps_apart(y_got, y_want) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(native, dtype):
+    gu = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    got, want = fused_ops.silu_and_mul(gu), fused_ops.silu_and_mul_torch(gu)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert ulps_apart(got, want) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_gives_the_twins_bits(native, dtype):
+    g = torch.Generator().manual_seed(3)
+    cos = torch.randn(50, 64, generator=g).to(dtype)
+    sin = torch.randn(50, 64, generator=g).to(dtype)
+    cos[:, 32:], sin[:, 32:] = cos[:, :32], sin[:, :32]  # halves repeated, as the tables are
+    positions = torch.tensor([0, 7, 49, 7, 3])
+    qkv = torch.randn(5, 14 * 64, generator=g).to(dtype)
+    want = apply_rope(qkv[:, : 12 * 64].view(5, 12, 64), cos[positions], sin[positions])
+    x = qkv.clone()[:, : 12 * 64].view(5, 12, 64)  # a strided view, rotated in place
+    got = RotaryStep(cos, sin, positions)(x)
+    assert got.data_ptr() == x.data_ptr()
+    assert torch.equal(got, want)
+
+
+def test_ops_take_the_twin_off_the_native_path():
+    previous = _native._enabled
+    try:
+        _native.set_native(False)
+        x = torch.randn(4, 64)
+        w = torch.randn(64)
+        h, _ = fused_ops.add_rms_norm(x, x, w, 1e-5)
+        assert h.data_ptr() != x.data_ptr()  # the twin never adds in place
+    finally:
+        _native._enabled = previous
