@@ -17,6 +17,7 @@ from typing import Any, Literal
 from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
 from enginecore.config import EngineConfig
+from enginecore.core.stat_logger import StatLogger
 from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
 from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest, LoRARequest, SchedulerStats
 from enginecore.request import Request, RequestStatus
@@ -42,7 +43,9 @@ class EngineCore:
     ) -> None:
         _native.set_native(config.use_native)
         self.config = config
-        self.log_stats = log_stats
+        # One switch: the caller's flag or the config's (EngineArgs.log_stats) turns on
+        # the stats every step (to front-ends) and the periodic stats line.
+        self.log_stats = log_stats or config.log_stats
         if executor_class is None:
             executor_class = get_executor_class(config)
         logger.info(
@@ -61,9 +64,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             config,
             num_blocks,
-            log_stats=log_stats and config.log_iteration_details,
+            log_stats=self.log_stats or config.log_iteration_details,
             track_in_flight=self.batch_queue is not None,
         )
+        self.stat_logger = StatLogger(
+            getattr(self, "engine_index", 0), config.log_stats_interval_s,
+            config.log_iteration_details,
+        ) if self.log_stats or config.log_iteration_details else None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         # Aborts that arrive (from the input thread) while a step runs are
         # applied before that step's outputs are processed.
@@ -235,6 +242,8 @@ class EngineCore:
         self._process_aborts_queue()
         self._stamp_elapsed(t0)
         outputs = scheduler.update_from_output(scheduler_output, model_output)
+        if self.stat_logger is not None:
+            self.stat_logger.record(outputs)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -264,7 +273,10 @@ class EngineCore:
         model_output = self._result(future)
         self._process_aborts_queue()
         self._stamp_elapsed(t0)
-        return scheduler.update_from_output(scheduler_output, model_output), model_executed
+        outputs = scheduler.update_from_output(scheduler_output, model_output)
+        if self.stat_logger is not None:
+            self.stat_logger.record(outputs)
+        return outputs, model_executed
 
     @staticmethod
     def _needs_execution(so: SchedulerOutput) -> bool:
@@ -274,7 +286,7 @@ class EngineCore:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             result = self.model_executor.execute_model(scheduler_output, non_block=False)
-        except BaseException:
+        except Exception:  # not Ctrl-C or a shutdown signal: those are no executor failure
             self.scheduler.log_state()
             raise
         if isinstance(result, Future):
@@ -284,7 +296,7 @@ class EngineCore:
     def _result(self, future: Future) -> ModelRunnerOutput:
         try:
             return self._sampled(future.result())
-        except BaseException:
+        except Exception:
             self.scheduler.log_state()
             raise
 
