@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from enginecore.interrupts import ignore_sigint, children_ignore_sigint
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     DPStatus,
@@ -107,6 +108,7 @@ def run_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], conn: An
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s dp-coordinator "
                         "%(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    ignore_sigint()  # the front-end stops us
     ctx = zmq.Context()
     front_pub = ctx.socket(zmq.XPUB)
     front_in = ctx.socket(zmq.PULL)
@@ -212,7 +214,8 @@ def start_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str],
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_coordinator, name="DPCoordinator", daemon=True,
                        args=(dp_size, lockstep, bind, send, os.getpid(), log_level))
-    proc.start()
+    with children_ignore_sigint():
+        proc.start()
     send.close()
     if not recv.poll(60):
         proc.kill()

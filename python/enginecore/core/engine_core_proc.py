@@ -29,6 +29,7 @@ from enginecore.config import EngineConfig
 from enginecore.core.engine_core import EngineCore
 from enginecore.core.utility import convert_args, signature_of
 from enginecore.executor.abstract import Executor
+from enginecore.interrupts import ignore_sigint
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     HEARTBEAT_IVL_MS,
@@ -442,7 +443,10 @@ def run_engine_core(
         raise _Shutdown(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    if parent_pid is None:
+        signal.signal(signal.SIGINT, on_signal)
+    else:
+        ignore_sigint()  # Ctrl-C is the front-end's; it stops us (interrupts.py)
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
                          name="enginecore-parent-watch").start()

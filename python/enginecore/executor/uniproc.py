@@ -134,7 +134,7 @@ class UniProcExecutor(Executor):
         try:
             with self._lock:
                 return self.runner.execute_model(scheduler_output)
-        except BaseException:
+        except Exception:  # Ctrl-C or a shutdown signal mid-step is no executor failure
             self._mark_failed()
             raise
 
