@@ -7,7 +7,7 @@ STAMP := $(VENV)/.enginecore-installed
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py')
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench gpu-check clean
 
 install: $(STAMP)
 
@@ -26,5 +26,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pytest bench --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds
 
+# CUDA tests + throughput vs transformers on a GPU machine (installs what it lacks;
+# results in $$OUT or ./gpu-check-results). ENGINECORE_GPU_CHECK_ON_CPU=1: dry run on the CPU.
+gpu-check:
+	bash bench/gpu_check.sh
+
 clean:
-	rm -rf $(VENV) build dist
+	rm -rf $(VENV) build dist gpu-check-results

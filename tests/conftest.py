@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from enginecore import _native
+
+
+# `make gpu-check` dry run: the CUDA-marked tests run on the CPU (their CUDA-only
+# checks skip themselves), so the script and the tests can be tried without a GPU.
+CUDA_TESTS_ON_CPU = os.environ.get("ENGINECORE_CUDA_TESTS_ON_CPU") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
     """Ray tests last: twice in CI, after the Ray tests had run in the session, a later
     test saw a spawned engine's exit code as None (reaped by something other than
     multiprocessing, most likely state Ray's driver leaves behind); not reproduced
-    outside the full suite."""
+    outside the full suite. Tests marked `cuda` are skipped without a CUDA device."""
     items.sort(key=lambda item: item.nodeid.startswith("tests/test_dp_ray.py"))
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda_items and not CUDA_TESTS_ON_CPU:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs a CUDA device (torch sees none)")
+            for item in cuda_items:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cuda_device() -> str:
+    """The device of the CUDA tests: "cuda", or "cpu" in the gpu-check dry run."""
+    return "cpu" if CUDA_TESTS_ON_CPU else "cuda"
 
 
 @pytest.fixture(params=["native", "python"])

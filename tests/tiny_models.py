@@ -7,6 +7,25 @@ import os
 import torch
 
 
+# Family-specific settings of the tiny models: small enough windows, soft caps and
+# rope limits that each difference from Llama changes the tokens.
+TINY_KINDS = {
+    "qwen3": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                   attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
+                   hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3, pad_token_id=0),
+    # LongRoPE over a partial rotary (8 of 16 dims): 4 short and 4 long factors.
+    "phi3": dict(pad_token_id=0, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.4],
+                               "long_factor": [1.5, 2.5, 4.0, 6.0]}),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      mlp_only_layers=[1], head_dim=16),
+}
+_CLASSES = {"qwen3": "Qwen3", "gemma2": "Gemma2", "phi3": "Phi3", "mixtral": "Mixtral",
+            "qwen3_moe": "Qwen3Moe"}
+
+
 def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:
     import transformers
 
@@ -14,6 +33,7 @@ def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) 
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(TINY_KINDS.get(kind, {}))
     common.update(overrides)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**common)
@@ -23,12 +43,20 @@ def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind in _CLASSES:
+        name = _CLASSES[kind]
+        cfg = getattr(transformers, name + "Config")(**common)
+        model = getattr(transformers, name + "ForCausalLM")(cfg)
+        with torch.no_grad():  # norms away from 1 (or 0 for Gemma): q/k and (1 + w) matter
+            for n, p in model.named_parameters():
+                if p.dim() == 1 and "norm" in n:
+                    p.normal_(1.0 if kind != "gemma2" else 0.0, 0.3)
     else:
         cfg = transformers.LlamaConfig(**common)
         model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger weights: sharper logits, fewer near-ties
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, 0.15)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -5,10 +5,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
-import json
 import logging
 import os
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -195,44 +193,27 @@ class UniProcExecutor(Executor):
         return value
 
     def _rpc_device_info(self) -> dict[str, Any]:
-        return {"device": str(self.runner.device), "dtype": str(self.runner.dtype),
-                "torch_threads": torch.get_num_threads()}
+        """Where this rank runs: device, dtype, and on CUDA which GPU it sees."""
+        info = {"device": str(self.runner.device), "dtype": str(self.runner.dtype),
+                "torch_threads": torch.get_num_threads(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        if self.runner.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.runner.device)
+            info |= {"cuda_device_name": props.name, "cuda_device_uuid": str(props.uuid),
+                     "cuda_device_count": torch.cuda.device_count()}
+        return info
 
     def save_sharded_state(
         self, path: str, pattern: str | None = None, max_size: int | None = None
     ) -> None:
-        """Weights as safetensors shards (``pattern`` like 'model-{:05d}.safetensors'),
-        with config.json and tokenizer files, loadable as an HF directory."""
-        from safetensors.torch import save_file
+        """The weights as an HF checkpoint in ``path`` (model/checkpoint.py: safetensors
+        shards under HF names, the index when sharded, config and tokenizer files)."""
+        from enginecore.model.checkpoint import save_checkpoint
 
         if self.runner.model is None:
             raise RuntimeError("weights are released (sleep level 2); wake_up first")
-        os.makedirs(path, exist_ok=True)
-        pattern = pattern or "model-{:05d}.safetensors"
-        max_size = max_size or (5 << 30)
-        state = self.runner.model.state_dict_hf()
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in state.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_size:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t.detach().cpu().contiguous()
-            size += nbytes
-        for i, shard in enumerate(shards):
-            save_file(shard, os.path.join(path, pattern.format(i)))
-        src = self.runner.model_path
-        for fname in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            if os.path.exists(os.path.join(src, fname)):
-                shutil.copy(os.path.join(src, fname), os.path.join(path, fname))
-        if self.runner.model.lm_head is self.runner.model.embed:
-            with open(os.path.join(path, "config.json")) as f:
-                cfg = json.load(f)
-            cfg["tie_word_embeddings"] = True
-            with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(cfg, f, indent=1)
-        logger.info("saved %d weight shards to %s", len(shards), path)
+        save_checkpoint(self.runner.model, self.runner.model_path, path, pattern, max_size,
+                        rank=self.config.parallel_config.data_parallel_rank)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral) over a
-flattened batch and a paged KV cache.
+"""The decoder of every supported family (Llama 2/3, SmolLM/SmolLM2, Mistral,
+Qwen2, Qwen3, Gemma 2, Phi-3, Mixtral, Qwen3-MoE) over a flattened batch and a
+paged KV cache. What differs between families is data in LlamaArchConfig
+(model/arch_config.py); here it is a handful of ``if`` hooks.
 
 Weights are held fused per layer (q|k|v and gate|up) so a step issues few
-large matmuls; ``state_dict_hf`` gives them back under HF names.
+large matmuls; ``state_dict_hf`` gives them back under the checkpoint's names.
 """
 
 from __future__ import annotations
@@ -15,22 +17,41 @@ import torch.nn.functional as F
 from enginecore.model.arch_config import LlamaArchConfig
 from enginecore.model.attention import AttentionMetadata, paged_attention
 from enginecore.model.lora import LoRABatch
+from enginecore.model.moe import experts_state_dict, moe_mlp, take_experts
 from enginecore.model.rope import apply_rope, rope_cos_sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers does: normalise in float32, scale in the model dtype.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             plus_one: bool = False) -> torch.Tensor:
+    # As transformers does: normalise in float32, scale in the model dtype; Gemma
+    # scales by (1 + w) in float32 and casts last.
     dtype = x.dtype
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.float())).to(dtype)
     return weight * xf.to(dtype)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class LlamaLayer:
-    __slots__ = ("input_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w")
+    __slots__ = ("input_norm", "qkv_w", "qkv_b", "o_w", "post_norm", "gate_up_w", "down_w",
+                 # Qwen3: [H + Hkv, D] q-norm rows then k-norm rows (one norm call for both)
+                 "qk_norm_w",
+                 # Gemma 2: norms of the attention output and of the MLP output
+                 "attn_out_norm", "mlp_out_norm",
+                 # MoE layers: router [E, hidden], experts [E, 2I, hidden] and [E, hidden, I]
+                 "router_w", "experts_gate_up_w", "experts_down_w")
 
     def __init__(self) -> None:
-        self.qkv_b: torch.Tensor | None = None
+        for name in self.__slots__:
+            setattr(self, name, None)
 
 
 class LlamaForCausalLM:
@@ -44,7 +65,11 @@ class LlamaForCausalLM:
         self.lm_head: torch.Tensor | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.scale
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        # transformers multiplies by the scale cast to the weights' dtype.
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=dtype, device=device)
+                            if cfg.embed_scale is not None else None)
         self.max_positions = max(cfg.max_position_embeddings, 1)
         q, kv, inter, hid = self.q_size, self.kv_size, cfg.intermediate_size, cfg.hidden_size
         # Where each LoRA target's output sits in the fused projections.
@@ -91,6 +116,8 @@ class LlamaForCausalLM:
         self.layers = [self._build_layer(i, p) for i, p in enumerate(parts)]
 
     def _build_layer(self, i: int, p: dict[str, torch.Tensor]) -> LlamaLayer:
+        cfg = self.cfg
+
         def take(key: str) -> torch.Tensor:
             try:
                 return p.pop(key)
@@ -99,41 +126,80 @@ class LlamaForCausalLM:
 
         layer = LlamaLayer()
         layer.input_norm = take("input_layernorm.weight")
-        layer.post_norm = take("post_attention_layernorm.weight")
-        layer.qkv_w = torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
-                                 take("self_attn.v_proj.weight")]).contiguous()
-        if self.cfg.qkv_bias:
+        if cfg.sandwich_norms:  # Gemma 2's names: post_attention is the attention output's
+            layer.attn_out_norm = take("post_attention_layernorm.weight")
+            layer.post_norm = take("pre_feedforward_layernorm.weight")
+            layer.mlp_out_norm = take("post_feedforward_layernorm.weight")
+        else:
+            layer.post_norm = take("post_attention_layernorm.weight")
+        if cfg.fused_checkpoint:
+            layer.qkv_w = take("self_attn.qkv_proj.weight")
+        else:
+            layer.qkv_w = torch.cat([take("self_attn.q_proj.weight"),
+                                     take("self_attn.k_proj.weight"),
+                                     take("self_attn.v_proj.weight")]).contiguous()
+        if cfg.qkv_bias:
             layer.qkv_b = torch.cat([take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
                                      take("self_attn.v_proj.bias")]).contiguous()
         layer.o_w = take("self_attn.o_proj.weight")
-        layer.gate_up_w = torch.cat([take("mlp.gate_proj.weight"),
-                                     take("mlp.up_proj.weight")]).contiguous()
-        layer.down_w = take("mlp.down_proj.weight")
+        if cfg.qk_norm:
+            qn, kn = take("self_attn.q_norm.weight"), take("self_attn.k_norm.weight")
+            layer.qk_norm_w = torch.cat([qn.expand(cfg.num_heads, -1),
+                                         kn.expand(cfg.num_kv_heads, -1)]).contiguous()
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            take_experts(layer, take, p, cfg.moe)
+        elif cfg.fused_checkpoint:
+            layer.gate_up_w = take("mlp.gate_up_proj.weight")
+            layer.down_w = take("mlp.down_proj.weight")
+        else:
+            layer.gate_up_w = torch.cat([take("mlp.gate_proj.weight"),
+                                         take("mlp.up_proj.weight")]).contiguous()
+            layer.down_w = take("mlp.down_proj.weight")
         if p:
             raise ValueError(f"unexpected weights in layer {i}: {sorted(p)}")
         return layer
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        """The weights under HF names (unfused), for saving."""
+        """The weights under the checkpoint's HF names (unfused unless the family
+        stores them fused), for saving."""
+        cfg = self.cfg
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed,
                                         "model.norm.weight": self.norm}
         if self.lm_head is not self.embed:
             out["lm_head.weight"] = self.lm_head
-        q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
+        q, kv, inter = self.q_size, self.kv_size, cfg.intermediate_size
         for i, L in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            wq, wk, wv = L.qkv_w.split([q, kv, kv])
-            out |= {pre + "self_attn.q_proj.weight": wq, pre + "self_attn.k_proj.weight": wk,
-                    pre + "self_attn.v_proj.weight": wv, pre + "self_attn.o_proj.weight": L.o_w,
-                    pre + "input_layernorm.weight": L.input_norm,
-                    pre + "post_attention_layernorm.weight": L.post_norm,
-                    pre + "mlp.down_proj.weight": L.down_w}
+            out[pre + "input_layernorm.weight"] = L.input_norm
+            if cfg.sandwich_norms:
+                out |= {pre + "post_attention_layernorm.weight": L.attn_out_norm,
+                        pre + "pre_feedforward_layernorm.weight": L.post_norm,
+                        pre + "post_feedforward_layernorm.weight": L.mlp_out_norm}
+            else:
+                out[pre + "post_attention_layernorm.weight"] = L.post_norm
+            if cfg.fused_checkpoint:
+                out[pre + "self_attn.qkv_proj.weight"] = L.qkv_w
+            else:
+                wq, wk, wv = L.qkv_w.split([q, kv, kv])
+                out |= {pre + "self_attn.q_proj.weight": wq, pre + "self_attn.k_proj.weight": wk,
+                        pre + "self_attn.v_proj.weight": wv}
+            out[pre + "self_attn.o_proj.weight"] = L.o_w
             if L.qkv_b is not None:
                 bq, bk, bv = L.qkv_b.split([q, kv, kv])
                 out |= {pre + "self_attn.q_proj.bias": bq, pre + "self_attn.k_proj.bias": bk,
                         pre + "self_attn.v_proj.bias": bv}
-            g, u = L.gate_up_w.split([inter, inter])
-            out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u}
+            if L.qk_norm_w is not None:
+                out |= {pre + "self_attn.q_norm.weight": L.qk_norm_w[0],
+                        pre + "self_attn.k_norm.weight": L.qk_norm_w[cfg.num_heads]}
+            if L.router_w is not None:
+                out |= experts_state_dict(L, pre, cfg.moe)
+            elif cfg.fused_checkpoint:
+                out |= {pre + "mlp.gate_up_proj.weight": L.gate_up_w,
+                        pre + "mlp.down_proj.weight": L.down_w}
+            else:
+                g, u = L.gate_up_w.split([inter, inter])
+                out |= {pre + "mlp.gate_proj.weight": g, pre + "mlp.up_proj.weight": u,
+                        pre + "mlp.down_proj.weight": L.down_w}
         return {k: v.contiguous() for k, v in out.items()}
 
     def to_device(self, device: torch.device) -> None:
@@ -149,6 +215,8 @@ class LlamaForCausalLM:
                     setattr(layer, name, t.to(device))
         self.cos = self.cos.to(device)
         self.sin = self.sin.to(device)
+        if self.embed_scale is not None:
+            self.embed_scale = self.embed_scale.to(device)
         self.device = device
 
     def weight_bytes(self) -> int:
@@ -168,36 +236,55 @@ class LlamaForCausalLM:
         T = input_ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.q_size, self.kv_size
-        eps = cfg.rms_norm_eps
+        eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
+        windows, soft_cap = cfg.layer_windows, cfg.attn_logit_softcap
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         qkv_t, o_t, gu_t, down_t = self._lora_targets
         for li, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = rms_norm(h, layer.input_norm, eps)
+            x = rms_norm(h, layer.input_norm, eps, plus_one)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
             if lora is not None:
                 lora.apply(qkv, x, li, qkv_t)
-            # q and k sit side by side in qkv: rotate both with one set of ops.
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(T, H + Hkv, D), cos, sin)
+            # q and k sit side by side in qkv: normalise and rotate both with one set of ops.
+            qk = qkv[:, : q_size + kv_size].view(T, H + Hkv, D)
+            if layer.qk_norm_w is not None:
+                qk = rms_norm(qk, layer.qk_norm_w, eps)
+            qk = apply_rope(qk, cos, sin)
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
-            attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale,
+                                   sliding_window=windows[li], logits_soft_cap=soft_cap)
             o = F.linear(attn, layer.o_w)
             if lora is not None:
                 lora.apply(o, attn, li, o_t)
+            if layer.attn_out_norm is not None:
+                o = rms_norm(o, layer.attn_out_norm, eps, plus_one)
             h = h + o
-            x = rms_norm(h, layer.post_norm, eps)
-            gu = F.linear(x, layer.gate_up_w)
-            if lora is not None:
-                lora.apply(gu, x, li, gu_t)
-            gate, up = gu.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            down = F.linear(act, layer.down_w)
-            if lora is not None:
-                lora.apply(down, act, li, down_t)
+            x = rms_norm(h, layer.post_norm, eps, plus_one)
+            if layer.router_w is not None:
+                down = moe_mlp(x, layer.router_w, layer.experts_gate_up_w, layer.experts_down_w,
+                               cfg.moe, self.act)
+            else:
+                gu = F.linear(x, layer.gate_up_w)
+                if lora is not None:
+                    lora.apply(gu, x, li, gu_t)
+                gate, up = gu.chunk(2, dim=-1)
+                act = self.act(gate) * up
+                down = F.linear(act, layer.down_w)
+                if lora is not None:
+                    lora.apply(down, act, li, down_t)
+            if layer.mlp_out_norm is not None:
+                down = rms_norm(down, layer.mlp_out_norm, eps, plus_one)
             h = h + down
-        return rms_norm(h, self.norm, eps)
+        return rms_norm(h, self.norm, eps, plus_one)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        logits = F.linear(hidden, self.lm_head)
+        cap = self.cfg.final_logit_softcap
+        if cap:  # Gemma 2, in the model dtype as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

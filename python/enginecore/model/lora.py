@@ -57,6 +57,13 @@ def load_lora(path: str, lora_id: int, name: str, cfg: LlamaArchConfig, max_rank
     if bad:
         raise LoRAError(f"LoRA {name!r}: unsupported target modules {bad}; supported: "
                         f"{list(SUPPORTED_TARGETS)}")
+    mlp = sorted(set(targets) & {"gate_proj", "up_proj", "down_proj"})
+    if cfg.moe is not None and mlp:
+        raise LoRAError(f"LoRA {name!r}: {mlp} on a mixture-of-experts model is not supported "
+                        "(adapters may target the attention projections only)")
+    if cfg.fused_checkpoint:
+        raise LoRAError(f"LoRA {name!r}: adapters for {cfg.architecture} (fused projections) "
+                        "are not supported")
     if ac.get("bias", "none") != "none":
         raise LoRAError(f"LoRA {name!r}: bias={ac['bias']!r} is not supported (only 'none')")
     alpha = float(ac.get("lora_alpha", r))

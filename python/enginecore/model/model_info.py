@@ -16,9 +16,14 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str | None, progress: bool = True) -> tuple[str, str]:
-    """(display name, HF directory). None = the default model. Never reaches a hub."""
+    """(display name, HF directory). None = the default model. Never reaches a hub.
+
+    Order: None -> the default GGUF; an existing ``.gguf`` file -> converted once;
+    an existing directory -> used as it is; otherwise a hub-style name
+    (``org/name``) -> its snapshot in the local Hugging Face cache."""
     from enginecore.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
     from enginecore.model.gguf_loader import ensure_converted
+    from enginecore.model.hf_cache import find_cached_snapshot, hf_hub_cache_dir, looks_like_repo_id
 
     if model is None:
         return DEFAULT_MODEL_NAME, ensure_converted(default_gguf_path(progress=progress),
@@ -27,11 +32,36 @@ def resolve_model_path(model: str | None, progress: bool = True) -> tuple[str, s
     if os.path.isfile(path) and path.endswith(".gguf"):
         return model, ensure_converted(path, progress=progress)
     if os.path.isdir(path):
-        return model, path
+        return model, check_model_dir(path)
+    if os.path.exists(path):
+        raise ValueError(f"model {model!r} is a file but not a .gguf; pass an HF-format "
+                         "directory (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+    if looks_like_repo_id(model):
+        snapshot = find_cached_snapshot(model)
+        if snapshot is not None:
+            logger.info("model %s found in the Hugging Face cache: %s", model, snapshot)
+            return model, check_model_dir(snapshot)
+        raise FileNotFoundError(
+            f"model {model!r} is not a local path and not in the Hugging Face cache at "
+            f"{hf_hub_cache_dir()} (set HF_HUB_CACHE or HF_HOME to look elsewhere); enginecore "
+            "never downloads from a model hub: fetch it where there is a network "
+            f"(`hf download {model}`) or pass a local directory or .gguf file"
+        )
     raise FileNotFoundError(
         f"model {model!r} not found: pass an HF-format directory (config.json, *.safetensors, "
-        "tokenizer.json) or a .gguf file; enginecore never downloads from a model hub"
+        "tokenizer.json), a .gguf file or a name in the local Hugging Face cache; enginecore "
+        "never downloads from a model hub"
     )
+
+
+def check_model_dir(path: str) -> str:
+    """An HF model directory must hold config.json: say so instead of a bare errno."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"{path} is not an HF model directory: it has no config.json (expected "
+            "config.json, *.safetensors weights and tokenizer.json)"
+        )
+    return path
 
 
 def resolve_device(device: str) -> str:
@@ -83,16 +113,23 @@ def resolve_model_config(
         return _encoder_model_config(name, path, dtype, device, seed, max_model_len)
     arch = load_arch_config(path)
     limit = arch.max_position_embeddings
+    explicit_len = max_model_len is not None
     if max_model_len is None:
         max_model_len = limit
     elif max_model_len > limit:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's context ({limit} positions)"
         )
-    if arch.sliding_window and arch.sliding_window < max_model_len:
-        logger.warning("sliding-window attention is not implemented: capping max_model_len "
-                       "at the window, %d", arch.sliding_window)
-        max_model_len = arch.sliding_window
+    short = arch.longrope_limit
+    if short is not None and max_model_len > short:
+        if explicit_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} needs LongRoPE's long factors (beyond "
+                f"original_max_position_embeddings={short}), which are not supported; "
+                f"use max_model_len <= {short}")
+        logger.warning("LongRoPE: only the short factors are supported; max_model_len capped "
+                       "at original_max_position_embeddings=%d", short)
+        max_model_len = short
     eos = _tokenizer_eos(path)
     if eos is None:
         eos = arch.eos_token_id
@@ -110,17 +147,12 @@ def resolve_model_config(
         head_dim=arch.head_dim,
         architecture=arch.architecture,
         model_path=path,
-        is_moe=_is_moe(path),
+        is_moe=arch.moe is not None or config_names_experts(raw),
     )
 
 
-def _is_moe(path: str) -> bool:
+def config_names_experts(cfg: dict) -> bool:
     """Whether config.json names experts (MoE: data-parallel lockstep by default)."""
-    cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else None
-    if cfg_file is None or not os.path.exists(cfg_file):
-        return False
-    with open(cfg_file) as f:
-        cfg = json.load(f)
     return any(int(cfg.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts",
                                                   "n_routed_experts"))
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding tables (default, linear and llama3 scaling).
+"""Rotary position embedding tables (default, linear, llama3 and LongRoPE scaling).
 
 Computed in float32 with the same operations as transformers, so greedy
 tokens match the reference bit for bit in float32.
@@ -14,9 +14,14 @@ from enginecore.model.arch_config import LlamaArchConfig
 
 
 def rope_inv_freq(cfg: LlamaArchConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    dim = cfg.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     sc = cfg.rope_scaling
+    if sc and sc["rope_type"] == "longrope":
+        # The short factors: positions within original_max_position_embeddings.
+        short = torch.tensor(sc["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * cfg.rope_theta**exponents)
+    inv = 1.0 / (cfg.rope_theta**exponents)
     if not sc:
         return inv
     factor = float(sc["factor"])
@@ -35,17 +40,36 @@ def rope_inv_freq(cfg: LlamaArchConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_attention_factor(cfg: LlamaArchConfig) -> float:
+    """LongRoPE scales cos and sin (transformers' attention_factor); 1 otherwise."""
+    sc = cfg.rope_scaling
+    if not sc or sc["rope_type"] != "longrope":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    original = float(sc["original_max_position_embeddings"])
+    factor = sc.get("factor") or cfg.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def rope_cos_sin(cfg: LlamaArchConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, head_dim] in float32 (halves repeated)."""
+    """cos and sin tables [max_positions, rotary_dim] in float32 (halves repeated)."""
     inv = rope_inv_freq(cfg)
     pos = torch.arange(max_positions, dtype=torch.float32)
     freqs = (inv[None, :, None] @ pos[None, None, :]).transpose(1, 2)[0]
     emb = torch.cat((freqs, freqs), dim=-1)
+    factor = rope_attention_factor(cfg)
+    if factor != 1.0:
+        return emb.cos() * factor, emb.sin() * factor
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim] already in x's dtype."""
-    half = x.shape[-1] // 2
+    """x [T, heads, head_dim]; cos/sin [T, rotary_dim] already in x's dtype. With a
+    partial rotary (rotary_dim < head_dim) the rest of each head passes through."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+    half = rd // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
