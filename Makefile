@@ -1,23 +1,42 @@
 # Two entry points for a fresh machine: `make run` and `make test`.
 # Both create .venv, install a CPU torch when none is there, build and install
 # enginecore (the C++ extension compiles from source), then do their job.
+# `make run` installs what running and serving need; `make test` adds the test
+# extras (transformers, peft, ray, openai, ...) without building a second time.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+RUN_STAMP := $(VENV)/.enginecore-run
 STAMP := $(VENV)/.enginecore-installed
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py')
+SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py' -o -name '*.pyx')
 PROMPT ?= What is the capital of France?
+
+# Prints the test extras (tomllib from Python 3.11; pip's vendored tomli before).
+define TEST_EXTRAS
+try:
+    import tomllib
+except ImportError:
+    from pip._vendor import tomli as tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))
+endef
+export TEST_EXTRAS
 
 .PHONY: install run test bench gpu-check clean
 
 install: $(STAMP)
 
-$(STAMP): $(SOURCES)
+$(RUN_STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install '.[test]'
+	$(PY) -m pip install .
 	touch $@
 
-run: $(STAMP)
+# The test extras, read from pyproject.toml (no second build of the package).
+$(STAMP): $(RUN_STAMP) pyproject.toml
+	$(PY) -c "$$TEST_EXTRAS" > $(VENV)/test-requirements.txt
+	$(PY) -m pip install -r $(VENV)/test-requirements.txt
+	touch $@
+
+run: $(RUN_STAMP)
 	$(VENV)/bin/enginecore generate "$(PROMPT)"
 
 test: $(STAMP)

@@ -48,3 +48,43 @@ def hot_path(request: pytest.FixtureRequest):
         yield request.param
     finally:
         _native._enabled = previous
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> str:
+    """A tiny random llama with a byte-level tokenizer and a chat template (the
+    front-end tests' model: multi-byte characters span tokens)."""
+    from tiny_models import make_tiny_chat_model
+
+    return make_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))
+
+
+class BackgroundLoop:
+    """An asyncio loop in a thread: async front-ends live on it across tests, and
+    every call waits with a timeout (a hang fails the test, never the session)."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                       name="test-asyncio-loop")
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def aloop():
+    bg = BackgroundLoop()
+    yield bg
+    bg.close()

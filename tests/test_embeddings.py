@@ -84,3 +84,25 @@ def test_generation_model_refuses_embedding(tmp_path):
     res = run_to_completion(eng)
     assert res["e"]["finish_reason"] is FinishReason.ERROR
     assert "'embed'" in res["e"]["stop_reason"]
+
+
+def test_async_encode_matches_transformers(minilm, aloop, hot_path):
+    from enginecore import AsyncLLM
+
+    async def run():
+        eng = AsyncLLM.from_engine_args(EngineArgs(model=minilm, dtype="float32"))
+        try:
+            with pytest.raises(ValueError, match="does not support the 'generate' task"):
+                await anext(eng.generate("x", SamplingParams(), "g"))
+            outs = []
+            for i, s in enumerate(SENTENCES[:4]):
+                got = [o async for o in eng.encode(s, PoolingParams(), f"e{i}")]
+                assert len(got) == 1 and got[0].finished and got[0].finish_reason == "stop"
+                outs.append(got[0].outputs.embedding)
+            return outs
+        finally:
+            eng.shutdown()
+
+    got = torch.tensor(aloop.run(run(), timeout=120))
+    cos = torch.nn.functional.cosine_similarity(got, reference(minilm)[:4], dim=-1)
+    assert torch.all(1 - cos < 1e-5), cos

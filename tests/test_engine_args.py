@@ -161,7 +161,9 @@ def test_one_switch_collects_stats_and_logs_the_line(switch, caplog, hot_path):
         outs, _ = eng.step()
         stats = outs[0].scheduler_stats
         assert stats is not None and stats.num_running_reqs == 3
-        assert eng.stat_logger.prompt_tokens == 18 and eng.stat_logger.generation_tokens == 3
+        # 18 prompt tokens computed, 3 sampled; without iteration details the last
+        # prompt token of each request counts as generation (stat_logger.py).
+        assert eng.stat_logger.prompt_tokens == 15 and eng.stat_logger.generation_tokens == 3
         assert not caplog.records  # busy, and the interval (10 s) has not passed
         run_to_completion(eng)
     lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
@@ -170,6 +172,15 @@ def test_one_switch_collects_stats_and_logs_the_line(switch, caplog, hot_path):
     for part in ("Avg generation throughput:", "Running: 0 reqs", "Waiting: 0 reqs",
                  "KV cache usage:", "Prefix cache hit rate:"):
         assert part in lines[0]
+    eng.shutdown()
+
+
+def test_prompt_tokens_exact_with_iteration_details():
+    eng = _stats_engine(log_stats=True, log_iteration_details=True)
+    for i in range(3):
+        eng.add_request(make_request(f"r{i}", [i + 1, 2, 3, 4, 5, 6], max_tokens=4))
+    eng.step()
+    assert eng.stat_logger.prompt_tokens == 18 and eng.stat_logger.generation_tokens == 3
     eng.shutdown()
 
 

@@ -46,3 +46,29 @@ def test_wire_round_trip_and_decode_validation():
     bad = msgspec.msgpack.encode([0])  # max_tokens=0
     with pytest.raises(msgspec.ValidationError, match="max_tokens"):
         msgspec.msgpack.decode(bad, type=SamplingParams)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": True}, "n"), ({"n": 2.0}, "n"),
+    ({"stop": [""]}, "stop"), ({"stop": ["a", 3]}, "stop"), ({"stop": 5}, "stop"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"),
+    ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens"),
+    ({"output_kind": 7}, "output_kind"),
+    ({"max_tokens": -1}, "max_tokens"),
+])
+def test_front_end_fields_are_validated(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)
+
+
+def test_front_end_fields_travel_and_normalize():
+    from enginecore import RequestOutputKind
+
+    sp = SamplingParams(n=4, stop="###", output_kind=1, max_tokens=None, min_tokens=3,
+                        skip_special_tokens=False)
+    assert sp.stop == ["###"] and sp.output_kind is RequestOutputKind.DELTA
+    assert SamplingParams().stop == [] and SamplingParams().n == 1
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
+    assert back == sp and back.max_tokens is None

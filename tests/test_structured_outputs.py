@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from enginecore import SamplingParams
+from enginecore import EngineCoreRequest, SamplingParams
 from enginecore.entrypoints.llm import LLM
 from enginecore.sampling_params import StructuredOutputsParams
 
@@ -67,13 +67,24 @@ def test_regex_and_choice_hold_on_every_output(llm):
 
 
 def test_invalid_schema_fails_only_that_request(llm):
-    outs = llm.generate(["a", "b"], [
-        SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json="{bad")),
-        SamplingParams(max_tokens=5, temperature=0),
-    ], use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error"
-    assert "invalid json constraint" in outs[0].outputs[0].stop_reason
-    assert outs[1].outputs[0].finish_reason == "length"
+    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json="{bad"))
+    good = SamplingParams(max_tokens=5, temperature=0)
+    # The front-end compiles the constraint first: the caller gets the error, and
+    # nothing of the batch is sent.
+    with pytest.raises(ValueError, match="invalid json constraint"):
+        llm.generate(["a", "b"], [bad, good], use_tqdm=False)
+    assert not llm.output_processor.has_unfinished_requests()
+    # Sent past the front-end, the engine still fails only that request.
+    ids = llm.get_tokenizer().encode("a")
+    llm.client.add_request(EngineCoreRequest("raw-bad", ids, bad))
+    llm.client.add_request(EngineCoreRequest("raw-good", ids, good))
+    finish = {}
+    while len(finish) < 2:
+        for o in llm.client.get_output().outputs:
+            if o.finish_reason is not None:
+                finish[o.request_id] = (str(o.finish_reason), o.stop_reason)
+    assert finish["raw-bad"][0] == "error" and "invalid json constraint" in finish["raw-bad"][1]
+    assert finish["raw-good"][0] == "length"
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
 

@@ -102,3 +102,39 @@ def _load(model_dir: str):
         _cache[key] = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32).eval()
     return _cache[key]
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
+                      "{% endfor %}{% if tools %}<s>tools\n{{ tools | tojson }}</s>\n{% endif %}"
+                      "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+_CORPUS = ["The capital of France is Paris.", "héllo wörld, ça va? naïve café", "日本語のテキスト",
+           "emoji 🎉🚀 and more", "def fibonacci(n): return n if n < 2 else n", "1, 2, 3, 4, 5"]
+
+
+def make_tiny_tokenizer(path: str, vocab_size: int = 320) -> int:
+    """A byte-level BPE tokenizer (GPT-2 style, trained on a few lines; <unk>, <s>,
+    </s> are ids 0-2) with a chat template, written into ``path``; its vocab size.
+    Non-ASCII text spans several tokens, so multi-byte characters split across them."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TINY_CHAT_TEMPLATE},
+                  f)
+    return tok.get_vocab_size()
+
+
+def make_tiny_chat_model(path: str, seed: int = 0, **overrides) -> str:
+    """A tiny random llama with a byte-level tokenizer: the front-end's test model."""
+    vocab = make_tiny_tokenizer(path)
+    return make_tiny_model(path, seed=seed, vocab_size=vocab, **overrides)

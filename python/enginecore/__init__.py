@@ -16,12 +16,30 @@ from enginecore.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from enginecore.sampling_params import SamplingParams
+from enginecore.sampling_params import RequestOutputKind, SamplingParams
 from enginecore.sched.block_hash import block_hashes
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``LLM`` and ``AsyncLLM`` load on first use: engine processes import this
+    package too and need none of the front-end."""
+    if name == "LLM":
+        from enginecore.entrypoints.llm import LLM
+
+        return LLM
+    if name == "AsyncLLM":
+        from enginecore.frontend.async_llm import AsyncLLM
+
+        return AsyncLLM
+    raise AttributeError(f"module 'enginecore' has no attribute {name!r}")
+
+
 __all__ = [
+    "AsyncLLM",
+    "LLM",
+    "RequestOutputKind",
     "EngineArgs",
     "EngineConfig",
     "EngineCore",

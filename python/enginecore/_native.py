@@ -40,6 +40,29 @@ def native_available() -> bool:
     return extension() is not None
 
 
+_step_loop_cy: ModuleType | None = None
+
+
+def step_loop() -> ModuleType:
+    """The front-end output processor's per-step loop: the Cython module
+    (``frontend/step_loop_cy.pyx``, built by the same CMake build as ``_C``) on the
+    native path, its Python twin ``frontend/step_loop.py`` otherwise. Imported on
+    first use (the front-end is not loaded with the package)."""
+    global _step_loop_cy
+    if extension() is None:
+        from enginecore.frontend import step_loop
+
+        return step_loop
+    if _step_loop_cy is None:
+        try:
+            from enginecore.frontend import step_loop_cy
+        except ImportError as e:  # the same build makes both: a broken install
+            raise RuntimeError(f"enginecore._C is built but the Cython step loop is not: {e}; "
+                               "reinstall, or run with ENGINECORE_NATIVE=0") from e
+        _step_loop_cy = step_loop_cy
+    return _step_loop_cy
+
+
 def set_native(enabled: bool | None) -> None:
     """Switch the hot paths; ``None`` keeps the environment's choice.
 

@@ -83,6 +83,21 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-
     ranks: list[int]
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """Scheduling events of one request (sent only with ``log_stats``)."""
+
+    QUEUED = 1  # the scheduler took it (its waiting queue)
+    SCHEDULED = 2  # admitted to run (first time, or again after a preemption)
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    type: EngineCoreEventType
+    # time.monotonic() in the engine process (CLOCK_MONOTONIC: comparable with
+    # the front-end's on the same machine).
+    timestamp: float
+
+
 class EngineCoreOutput(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 ):  # type: ignore[call-arg]
@@ -93,6 +108,8 @@ class EngineCoreOutput(
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooling_output: list[float] | None = None
+    # log_stats: scheduling events since the request's last output (queue-time metrics).
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:

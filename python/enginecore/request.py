@@ -10,6 +10,9 @@ from enginecore.sampling_params import SamplingParams
 from enginecore.sched.block_hash import ExtraKey, block_hashes, encode_extra_keys
 
 
+_NO_TOKEN_LIMIT = 2**62
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -118,7 +121,10 @@ class Request:
         self.grammar = None
         self.grammar_error: str | None = None
         # Hot fields copied out of sampling_params: read every step.
-        self.max_tokens = sampling_params.max_tokens
+        # None (no front-end resolved it): up to the context limit, which the
+        # scheduler's max_model_len check enforces.
+        self.max_tokens = (sampling_params.max_tokens if sampling_params.max_tokens is not None
+                           else _NO_TOKEN_LIMIT)
         self.min_tokens = sampling_params.min_tokens
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.ignore_eos = sampling_params.ignore_eos

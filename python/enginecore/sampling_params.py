@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 _MAX_SEED = 2**63 - 1
+# More parallel samples than this is a mistake, not a request (OpenAI caps n at 128).
+MAX_N = 128
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a stream carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 class StructuredOutputsParams(
@@ -48,14 +60,21 @@ class StructuredOutputsParams(
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):  # type: ignore[call-arg]
-    """What to sample and when to stop. Defaults sample greedily up to 16 tokens.
+    """What to sample and when to stop. Defaults sample up to 16 tokens.
 
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
     ``logprobs=N`` returns the top-N logprobs (plus the sampled token's) at each
     sampled position. Invalid values raise ``ValueError`` naming the field.
+
+    The last group of fields is the front-end's (``enginecore.frontend``); the
+    engine carries them but never reads them: ``n`` parallel samples (child
+    requests with seeds ``seed + i``), ``stop`` strings, ``include_stop_str_in_output``,
+    ``skip_special_tokens``, ``spaces_between_special_tokens``, ``output_kind``.
+    ``max_tokens=None`` means "up to the context limit"; the front-end's input
+    processor resolves it to ``max_model_len - len(prompt)`` before sending.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -69,16 +88,24 @@ class SamplingParams(
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    # -- front-end fields (the engine ignores them) --
+    n: int = 1
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, must: str) -> ValueError:
             return ValueError(f"SamplingParams.{field} must be {must}, got {value!r}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, "an int >= 1")
+        if self.max_tokens is not None and (
+                not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "None or an int >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an int >= 0")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if not self.temperature >= 0.0:  # also catches NaN
             raise bad("temperature", self.temperature, ">= 0")
@@ -100,6 +127,28 @@ class SamplingParams(
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise bad("repetition_penalty", self.repetition_penalty, "in (0, 10]")
+        self._validate_front_end_fields(bad)
+
+    def _validate_front_end_fields(self, bad) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"an int in [1, {MAX_N}]")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s
+                                                      for s in self.stop):
+            raise bad("stop", self.stop, "a non-empty str or a list of non-empty strs")
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise bad("output_kind", self.output_kind,
+                          "a RequestOutputKind (0 cumulative, 1 delta, 2 final only)") from None
 
     @property
     def greedy(self) -> bool:

@@ -132,6 +132,8 @@ class EngineLauncher:
     def _await_input_sockets(self, count: int, timeout_s: float) -> None:
         """Each engine's input sockets say hello once connected; only then can we route."""
         for i, (inp, _, _, _) in enumerate(self._front_ends):
+            if inp is None:
+                continue  # bound in another process, which waits for its own hellos
             for _ in range(count):
                 if not inp.poll(int(timeout_s * 1000)):
                     raise TimeoutError(f"an engine did not connect its input socket for "

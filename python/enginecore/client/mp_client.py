@@ -25,6 +25,7 @@ import zmq.asyncio
 from enginecore.client.core_client import EngineCoreClient
 from enginecore.client.elastic import AsyncElasticScaling, ElasticScaling
 from enginecore.client.engine_launcher import EngineLauncher
+from enginecore.client.remote_front_end import RemoteFrontEnds, bind_front_end
 from enginecore.client.sockets import Addresses
 from enginecore.config import EngineConfig
 from enginecore.core.utility import convert_result, signature_of
@@ -32,8 +33,6 @@ from enginecore.errors import EngineDeadError
 from enginecore.executor.abstract import Executor
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
-    HEARTBEAT_IVL_MS,
-    HEARTBEAT_TIMEOUT_MS,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -54,7 +53,7 @@ def _running(proc: multiprocessing.process.BaseProcess) -> bool:
     return proc.is_alive() and not multiprocessing.connection.wait([proc.sentinel], 0)
 
 
-class MPClient(EngineLauncher, EngineCoreClient):
+class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
     def __init__(
         self,
         config: EngineConfig,
@@ -65,11 +64,17 @@ class MPClient(EngineLauncher, EngineCoreClient):
         handshake_timeout_s: float = 120.0,
         engine_log_level: int | None = None,
         client_count: int = 1,
+        local_client_count: int | None = None,
     ) -> None:
         """Start the engine process; ``client_count`` front-ends may share it
-        (this client is front-end 0; ``attach(i)`` gives front-end i)."""
+        (this client is front-end 0; ``attach(i)`` gives front-end i). Front-ends
+        from ``local_client_count`` on are bound by other processes: ``handoff(i)``
+        gives what such a process passes to ``connect`` (client/remote_front_end.py)."""
         self._init_common(config, client_index=0)
         self._owner = True
+        local_clients = client_count if local_client_count is None else local_client_count
+        if not 1 <= local_clients <= client_count:
+            raise ValueError(f"local_client_count must be in [1, {client_count}]")
         pc = config.parallel_config
         self.num_local_engines = min(pc.data_parallel_size_local, self.num_engines)
         self._ray: Any = None
@@ -83,7 +88,9 @@ class MPClient(EngineLauncher, EngineCoreClient):
         self._addresses = Addresses(transport, pc.data_parallel_address)
         self.ctx = zmq.Context()
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        self._front_ends: list[tuple[zmq.Socket, zmq.Socket, str, str]] = []
+        # (request socket, output socket, their addresses); sockets None for a
+        # front-end reserved for another process.
+        self._front_ends: list[tuple[zmq.Socket | None, zmq.Socket | None, str, str]] = []
         # Data parallel behind one load balancer: the coordinator process, and for
         # lockstep ranks the store their process group meets at.
         self.coordinator: multiprocessing.process.BaseProcess | None = None
@@ -97,18 +104,11 @@ class MPClient(EngineLauncher, EngineCoreClient):
             if self.num_engines > 1:
                 self._start_coordinator(engine_log_level)
             for i in range(client_count):
-                inp = self.ctx.socket(zmq.ROUTER)
-                inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                inp.setsockopt(zmq.LINGER, 0)
-                # Heartbeats: a headless rank on another node that dies (kill -9, power)
-                # drops its connection within seconds (see _watch_remote_ranks).
-                inp.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-                inp.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-                in_addr = self._addresses.bind(inp, f"input{i}.sock")
-                out = self.ctx.socket(zmq.PULL)
-                out.setsockopt(zmq.LINGER, 0)
-                out_addr = self._addresses.bind(out, f"output{i}.sock")
-                self._front_ends.append((inp, out, in_addr, out_addr))
+                if i < local_clients:
+                    self._front_ends.append(bind_front_end(self.ctx, self._addresses.bind, i))
+                else:  # bound in another process (RemoteFrontEnds.connect)
+                    self._front_ends.append((None, None, self._addresses.reserve(f"input{i}.sock"),
+                                             self._addresses.reserve(f"output{i}.sock")))
             (self.input_socket, self.output_socket, self.input_address,
              self.output_address) = self._front_ends[0]
             if pc.data_parallel_backend == "ray":
@@ -158,6 +158,9 @@ class MPClient(EngineLauncher, EngineCoreClient):
             raise RuntimeError("attach from the client that started the engine")
         if not 0 < client_index < len(self._front_ends):
             raise ValueError(f"client_index must be in [1, {len(self._front_ends)})")
+        if self._front_ends[client_index][0] is None:
+            raise ValueError(f"front-end {client_index} is reserved for another process: "
+                             "pass handoff(client_index) to connect() there")
         other = type(self).__new__(type(self))
         other._init_common(self.config, client_index)
         other._owner = False
@@ -318,6 +321,9 @@ class MPClient(EngineLauncher, EngineCoreClient):
         if self._link is not None:
             self._link.close()
         if not self._owner:
+            if getattr(self, "_own_context", False):  # attached from another process
+                self._join_socket_threads()
+                self._close_sockets()
             return
         if hasattr(self, "_monitor_stop_w"):
             self._monitor_stop_w.send(b"x")
@@ -529,3 +535,17 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
         if task is not None and not task.done():
             task.cancel()
         super().shutdown()
+        self._close_async_sockets()  # a front-end attached in process never gets there
+
+    def _close_sockets(self) -> None:
+        self._close_async_sockets()
+        super()._close_sockets()
+
+    def _close_async_sockets(self) -> None:
+        """Close the asyncio wrappers before their context: closing takes their fds
+        off the event loop's selector. Destroying the context alone left them
+        registered, and the next client on the same loop, given the same fd
+        numbers, never heard its engine."""
+        for sock in (getattr(self, "_ainput", None), getattr(self, "_aoutput", None)):
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 
 import zmq
@@ -33,6 +34,17 @@ class Addresses:
             sock.bind(f"tcp://{self.host}:{port}")
         else:
             port = sock.bind_to_random_port(f"tcp://{self.host}")
+        return f"tcp://{self.host}:{port}"
+
+    def reserve(self, name: str) -> str:
+        """An address another process will bind: a path in the private directory,
+        or a loopback port free now (TCP: a small window in which another program
+        could take it; the bind in the other process then fails loudly)."""
+        if self.dir is not None:
+            return f"ipc://{os.path.join(self.dir, name)}"
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((self.host, 0))
+            port = s.getsockname()[1]
         return f"tcp://{self.host}:{port}"
 
     def cleanup(self) -> None:

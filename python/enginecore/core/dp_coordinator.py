@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from enginecore.interrupts import ignore_sigint, children_ignore_sigint
+from enginecore.interrupts import children_ignore_sigint, ignore_sigint
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     DPStatus,

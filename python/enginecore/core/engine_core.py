@@ -64,7 +64,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             config,
             num_blocks,
+            # log_iteration_details implies stats (the per-step lines read them).
             log_stats=self.log_stats or config.log_iteration_details,
+            log_iteration_details=config.log_iteration_details,
             track_in_flight=self.batch_queue is not None,
         )
         self.stat_logger = StatLogger(
@@ -243,7 +245,7 @@ class EngineCore:
         self._stamp_elapsed(t0)
         outputs = scheduler.update_from_output(scheduler_output, model_output)
         if self.stat_logger is not None:
-            self.stat_logger.record(outputs)
+            self.stat_logger.record(outputs, scheduler_output.total_num_scheduled_tokens)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -275,7 +277,7 @@ class EngineCore:
         self._stamp_elapsed(t0)
         outputs = scheduler.update_from_output(scheduler_output, model_output)
         if self.stat_logger is not None:
-            self.stat_logger.record(outputs)
+            self.stat_logger.record(outputs, scheduler_output.total_num_scheduled_tokens)
         return outputs, model_executed
 
     @staticmethod

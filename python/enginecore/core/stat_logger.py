@@ -10,6 +10,11 @@ acceptance when there are any). An idle engine logs nothing. With
 
 It reads the ``SchedulerStats`` the scheduler attaches to a step's outputs and
 counts the tokens in them, so it sees exactly what the front-ends are sent.
+Generation tokens are those tokens. Prompt tokens are the prefill tokens the
+step computed: exact from ``SchedulerStats.iteration`` when
+``log_iteration_details`` computes it; otherwise derived at no per-request cost
+as scheduled - sampled + accepted drafts - drafted (the tokens that were not
+decode inputs), which counts each request's last prompt token as generation.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class StatLogger:
         self.last_line = float("-inf")
         self._start_window()
         make_visible(logger)
+        self._drafts = self._accepted = 0  # cumulative spec-decode counts seen last
 
     def _start_window(self) -> None:
         self.window_start: float | None = None
@@ -61,8 +67,8 @@ class StatLogger:
         self.prefix_hits = 0
         self.steps = 0
 
-    def record(self, outputs: dict[int, Any]) -> None:
-        """One step's outputs (per client)."""
+    def record(self, outputs: dict[int, Any], num_scheduled_tokens: int) -> None:
+        """One step's outputs (per client) and the tokens its batch scheduled."""
         stats: SchedulerStats | None = None
         new_tokens = 0
         for outs in outputs.values():
@@ -80,7 +86,12 @@ class StatLogger:
         self.generation_tokens += new_tokens
         self.prefix_queries += stats.prefix_cache_stats.queries
         self.prefix_hits += stats.prefix_cache_stats.hits
-        if it is not None:
+        drafted = stats.spec_num_draft_tokens - self._drafts
+        accepted = stats.spec_num_accepted_tokens - self._accepted
+        self._drafts, self._accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        if it is None:
+            self.prompt_tokens += max(0, num_scheduled_tokens - new_tokens + accepted - drafted)
+        else:
             self.prompt_tokens += it.num_prefill_tokens
             if self.iteration_details and it.num_prefill_reqs + it.num_decode_reqs:
                 logger.info("%sstep %d: %d prefill requests (%d tokens), %d decode requests "

@@ -25,6 +25,8 @@ SUBCOMMANDS = (
     "enginecore.entrypoints.generate",
     "enginecore.entrypoints.synthetic",
     "enginecore.entrypoints.headless",
+    "enginecore.entrypoints.openai.cli_args",  # serve
+    "enginecore.entrypoints.chat",
 )
 
 

@@ -51,7 +51,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if mc.task != "generate":
         raise UserError(f"{mc.model} is a {mc.task} model; generate needs a decoder")
     from enginecore.core.engine_core import EngineCore
-    from enginecore.model.tokenizer import IncrementalDecoder, Tokenizer
+    from enginecore.frontend.detokenizer import DetokenizerFactory
+    from enginecore.model.tokenizer import Tokenizer
 
     with user_errors():
         tokenizer = Tokenizer.from_dir(mc.model_path)
@@ -64,7 +65,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         with user_errors():
             engine.add_request(EngineCoreRequest("cli", ids, params))
-        return _stream(engine, IncrementalDecoder(tokenizer), mc.model, t0)
+        return _stream(engine, DetokenizerFactory(tokenizer).new(True, ids), mc.model, t0)
     finally:
         engine.shutdown()
 
@@ -82,10 +83,14 @@ def _stream(engine, decoder, model: str, t0: float) -> int:
                     if o.new_token_ids and t_first is None:
                         t_first = time.perf_counter()
                     n += len(o.new_token_ids)
-                    sys.stdout.write(decoder.push(o.new_token_ids))
-                    sys.stdout.flush()
+                    new = o.new_token_ids
+                    if o.finish_reason is not None and str(o.finish_reason) == "stop" and new:
+                        new = new[:-1]  # EOS / stop token: not part of the answer
+                    sys.stdout.write(decoder.decode(new))
                     if o.finish_reason is not None:
+                        sys.stdout.write(decoder.flush())
                         reason = o.finish_reason
+                    sys.stdout.flush()
     finally:
         sys.stdout.write("\n")  # also after a Ctrl-C: the shell prompt starts on its own line
         sys.stdout.flush()

@@ -1,30 +1,36 @@
-"""``LLM``: the offline API (generate, chat) on top of an engine core."""
+"""``LLM``: the offline API (generate, chat, embed) on the front-end's processors.
+
+Prompts go through the same ``InputProcessor`` as ``AsyncLLM`` (so the same
+validation errors), outputs through the same ``OutputProcessor`` (so the same
+text, stop strings, ``n`` and logprobs); ``LLM`` asks for FINAL_ONLY outputs and
+returns them in prompt order.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from enginecore.config import EngineArgs
+import msgspec
+
 from enginecore.client.core_client import EngineCoreClient
+from enginecore.config import EngineArgs
+from enginecore.frontend.async_llm import load_tokenizer
+from enginecore.frontend.input_processor import InputProcessor, PromptType
+from enginecore.frontend.metrics import FrontendMetrics, IterationStats
+from enginecore.frontend.output_processor import OutputProcessor
+from enginecore.frontend.parallel_sampling import ParentRequest
 from enginecore.model.tokenizer import Tokenizer
-from enginecore.outputs import (
-    CompletionOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    Logprob,
-    RequestOutput,
-    finish_reason_str,
-)
-from enginecore.protocol import EngineCoreOutput, EngineCoreRequest, PoolingParams
-from enginecore.sampling_params import SamplingParams
+from enginecore.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
+from enginecore.protocol import EngineCoreRequest, LoRARequest, PoolingParams
+from enginecore.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | dict[str, Any]
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -34,46 +40,49 @@ class LLM:
     The engine runs in its own process by default (``multiprocess_mode=False``
     keeps it in this one); a script that uses the default must guard its entry
     point with ``if __name__ == "__main__":`` (the engine process is spawned).
+    ``disable_log_stats=False`` turns on the metrics ``get_metrics()`` reads.
     Other keyword arguments are ``EngineArgs`` fields.
     """
 
-    def __init__(
-        self, model: str | None = None, *, multiprocess_mode: bool = True, **kwargs: Any
-    ) -> None:
+    def __init__(self, model: str | None = None, *, multiprocess_mode: bool = True,
+                 disable_log_stats: bool = True, **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
         if self.config.model_config.is_synthetic:
             raise ValueError("LLM needs a real model; the synthetic model has no tokenizer")
-        self.tokenizer = Tokenizer.from_dir(self.config.model_config.model_path)
-        self.client = EngineCoreClient.make_client(multiprocess_mode, False, self.config)
-        self.supported_tasks: tuple[str, ...] = (self.config.model_config.task,)
+        self.tokenizer = load_tokenizer(self.config)
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model_config.model} has no tokenizer.json")
+        self.log_stats = not disable_log_stats
+        self.client = EngineCoreClient.make_client(multiprocess_mode, False, self.config,
+                                                   log_stats=self.log_stats)
+        max_model_len = getattr(self.client, "max_model_len", None)
+        if max_model_len is None:  # in process: the engine's (it may have capped it)
+            max_model_len = self.client.engine.scheduler.max_model_len
+        self.input_processor = InputProcessor(self.config, self.tokenizer, max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, self.log_stats)
+        self.metrics = FrontendMetrics(self.config.model_config.model) if self.log_stats else None
+        self.supported_tasks: tuple[str, ...] = self.input_processor.supported_tasks
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
-    # -- requests ------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise TypeError(
-            "a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
-            f"got {type(prompt).__name__}"
-        )
+    def get_metrics(self) -> list[Any]:
+        """The enginecore prometheus metric families (needs disable_log_stats=False)."""
+        if self.metrics is None:
+            raise RuntimeError("metrics are off: make the LLM with disable_log_stats=False")
+        return self.metrics.collect()
 
+    # -- requests ------------------------------------------------------------------------
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -82,23 +91,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        results: dict[str, RequestOutput] = {}
-        order: list[str] = []
-        for prompt, sp in zip(prompts, params):
-            text, ids = self._prompt_ids(prompt)
-            rid = str(next(self._ids))
-            order.append(rid)
-            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [])])
-            self.client.add_request(EngineCoreRequest(rid, ids, sp))
-        self._run(results, use_tqdm and len(prompts) > 1)
-        for out in results.values():
-            comp = out.outputs[0]
-            comp.text = self.tokenizer.decode(comp.token_ids)
-            if comp.logprobs:
-                for pos in comp.logprobs:
-                    for tid, lp in pos.items():
-                        lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
-        return [results[r] for r in order]
+        final = [msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                 if isinstance(sp, SamplingParams) else sp for sp in params]
+        return self._run_all(prompts, final, use_tqdm, lora_request)  # type: ignore[return-value]
 
     def embed(
         self,
@@ -107,90 +102,102 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
         """Pooled vectors of the prompts (an embedding model, e.g. all-MiniLM-L6-v2)."""
-        if "embed" not in self.supported_tasks:
-            raise ValueError(f"{self.config.model_config.model} does not embed; it supports "
-                             f"{self.supported_tasks}")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         pp = pooling_params or PoolingParams()
-        results: dict[str, EmbeddingRequestOutput] = {}
-        order = []
-        for prompt in prompts:
-            text, ids = self._prompt_ids(prompt)
-            rid = str(next(self._ids))
-            order.append(rid)
-            results[rid] = EmbeddingRequestOutput(rid, text, ids)
-            self.client.add_request(EngineCoreRequest(rid, ids, pooling_params=pp))
-        self._run(results, use_tqdm and len(order) > 1)
-        failed = [r for r in results.values() if r.outputs is None]
+        results = self._run_all(prompts, [pp] * len(prompts), use_tqdm, None)
+        failed = [r for r in results if r.outputs is None]
         if failed:
             raise RuntimeError(f"{len(failed)} embedding requests failed: "
-                               f"{getattr(failed[0], 'error', 'see the engine log')}")
-        return [results[r] for r in order]
+                               f"{failed[0].error or 'see the engine log'}")
+        return results  # type: ignore[return-value]
 
-    def _run(self, results: dict[str, Any], progress: bool) -> None:
+    encode = embed
+
+    def _run_all(self, prompts: list[PromptType], params: list[Any], use_tqdm: bool,
+                 lora_request: LoRARequest | None) -> list[Any]:
+        # Everything is validated before anything is sent: one bad prompt sends nothing.
+        prepared = []
+        for prompt, p in zip(prompts, params):
+            rid = str(next(self._ids))
+            prepared.append((rid, *self.input_processor.process_inputs(
+                rid, prompt, p, lora_request=lora_request)))
+        order = []
+        try:
+            for rid, text, request in prepared:
+                order.append(rid)
+                self._add(rid, text, request)
+            return self._collect(order, use_tqdm and len(order) > 1)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: nothing stays running in the engine.
+            live = self.output_processor.engine_ids(order)
+            self.output_processor.discard(live)
+            if live:
+                try:
+                    self.client.abort_requests(live)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("could not abort %d requests: %s", len(live), e)
+            raise
+
+    def _add(self, rid: str, text: str | None, request: EngineCoreRequest) -> None:
+        metrics = RequestMetrics(request.arrival_time, time.monotonic())
+        sp = request.sampling_params
+        if sp is None or sp.n == 1:
+            self.output_processor.add_request(request, text, metrics=metrics)
+            self.client.add_request(request)
+            return
+        parent = ParentRequest(rid, sp, text, request.prompt_token_ids, None, metrics,
+                               request.lora_request)
+        for i, child_id in enumerate(parent.child_ids):
+            child = msgspec.structs.replace(request, request_id=child_id,
+                                            sampling_params=ParentRequest.child_params(sp, i))
+            self.output_processor.add_request(
+                child, text, external_id=rid, parent=parent, index=i,
+                metrics=RequestMetrics(request.arrival_time, metrics.arrival_ts))
+            self.client.add_request(child)
+
+    def _collect(self, order: list[str], progress: bool) -> list[Any]:
         from tqdm import tqdm
 
-        pending = sum(1 for r in results.values() if not r.finished)
-        bar = tqdm(total=pending, desc="generating", unit="req", disable=not progress)
-        total_tokens = 0
-        with bar:
-            while pending:
-                for o in self.client.get_output().outputs:
-                    req = results.get(o.request_id)
-                    if req is None:
-                        continue
-                    total_tokens += len(o.new_token_ids)
-                    if self._apply(req, o):
-                        pending -= 1
-                        bar.update(1)
-                        bar.set_postfix(tokens=total_tokens)
-
-    @staticmethod
-    def _apply(req: Any, o: EngineCoreOutput) -> bool:
-        if isinstance(req, EmbeddingRequestOutput):
-            if o.pooling_output is not None:
-                req.outputs = EmbeddingOutput(o.pooling_output)
-            elif o.stop_reason is not None:
-                req.error = o.stop_reason  # type: ignore[attr-defined]
-            req.finished = o.finish_reason is not None
-            return req.finished
-        comp = req.outputs[0]
-        comp.token_ids.extend(o.new_token_ids)
-        if o.new_logprobs is not None:
-            lps = comp.logprobs if comp.logprobs is not None else []
-            comp.logprobs = lps
-            for ids, vals, rank in zip(o.new_logprobs.token_ids, o.new_logprobs.logprobs,
-                                       o.new_logprobs.ranks):
-                entry = {ids[0]: Logprob(vals[0], rank)}
-                for r, (tid, val) in enumerate(zip(ids[1:], vals[1:]), start=1):
-                    entry.setdefault(tid, Logprob(val, r))
-                lps.append(entry)
-            comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
-                v[0] for v in o.new_logprobs.logprobs)
-        if o.finish_reason is not None:
-            comp.finish_reason = finish_reason_str(o.finish_reason)
-            comp.stop_reason = o.stop_reason
-            req.finished = True
-            req.num_cached_tokens = o.num_cached_tokens
-            return True
-        return False
+        results: dict[str, Any] = {}
+        processor = self.output_processor
+        with tqdm(total=len(order), desc="generating", unit="req", disable=not progress) as bar:
+            while processor.has_unfinished_requests():
+                outs = self.client.get_output()
+                iteration = IterationStats() if self.metrics is not None else None
+                step = processor.process_outputs(outs.outputs, None, iteration)
+                if step.reqs_to_abort:
+                    self.client.abort_requests(step.reqs_to_abort)
+                if self.metrics is not None:
+                    self.metrics.record(iteration, outs.scheduler_stats, outs.engine_index)
+                for out in step.request_outputs:
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[rid] for rid in order]
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=True)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": self.tokenizer.encode(text,
-                                                                      add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        prompts: list[PromptType] = [
+            self.input_processor.render_chat(
+                list(conv), add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools,
+                documents=documents, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs)
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -38,8 +38,11 @@ def _shapes(cfg: LlamaArchConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def load_lora(path: str, lora_id: int, name: str, cfg: LlamaArchConfig, max_rank: int,
-              dtype: torch.dtype, device: torch.device) -> LoRAWeights:
+def read_adapter_config(path: str, lora_id: int, name: str, max_rank: int,
+                        cfg: LlamaArchConfig | None = None) -> tuple[int, float]:
+    """Check a PEFT adapter's files and config (against the model's ``cfg`` when
+    given); (rank, scaling). Raises LoRAError. The front-end runs this too, so a
+    bad adapter fails at the caller."""
     cfg_path = os.path.join(path, "adapter_config.json")
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not (os.path.isfile(cfg_path) and os.path.isfile(weights_path)):
@@ -58,16 +61,22 @@ def load_lora(path: str, lora_id: int, name: str, cfg: LlamaArchConfig, max_rank
         raise LoRAError(f"LoRA {name!r}: unsupported target modules {bad}; supported: "
                         f"{list(SUPPORTED_TARGETS)}")
     mlp = sorted(set(targets) & {"gate_proj", "up_proj", "down_proj"})
-    if cfg.moe is not None and mlp:
+    if cfg is not None and cfg.moe is not None and mlp:
         raise LoRAError(f"LoRA {name!r}: {mlp} on a mixture-of-experts model is not supported "
                         "(adapters may target the attention projections only)")
-    if cfg.fused_checkpoint:
+    if cfg is not None and cfg.fused_checkpoint:
         raise LoRAError(f"LoRA {name!r}: adapters for {cfg.architecture} (fused projections) "
                         "are not supported")
     if ac.get("bias", "none") != "none":
         raise LoRAError(f"LoRA {name!r}: bias={ac['bias']!r} is not supported (only 'none')")
     alpha = float(ac.get("lora_alpha", r))
-    scaling = alpha / math.sqrt(r) if ac.get("use_rslora") else alpha / r
+    return r, alpha / math.sqrt(r) if ac.get("use_rslora") else alpha / r
+
+
+def load_lora(path: str, lora_id: int, name: str, cfg: LlamaArchConfig, max_rank: int,
+              dtype: torch.dtype, device: torch.device) -> LoRAWeights:
+    r, scaling = read_adapter_config(path, lora_id, name, max_rank, cfg)
+    weights_path = os.path.join(path, "adapter_model.safetensors")
     shapes = _shapes(cfg)
     lw = LoRAWeights(lora_id, name, r, scaling, [{} for _ in range(cfg.num_layers)])
     with safe_open(weights_path, framework="pt") as f:

@@ -187,8 +187,10 @@ class ModelRunner:
             sampled[row] = emitted
             if self.proposer is not None:
                 n_out = len(st.token_ids) - st.num_prompt
-                limit = min(self.max_model_len - len(st.token_ids) - 1,
-                            st.params.max_tokens - n_out - 1)
+                max_tokens = st.params.max_tokens  # None: up to max_model_len
+                limit = self.max_model_len - len(st.token_ids) - 1
+                if max_tokens is not None:
+                    limit = min(limit, max_tokens - n_out - 1)
                 draft = self.proposer.propose(st.token_ids, limit) if limit > 0 else []
                 if draft:
                     self._drafts[st.req_id] = draft

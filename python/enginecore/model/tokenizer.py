@@ -24,7 +24,7 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
-        self._template = None
+        self._compiled: dict[str, Any] = {}  # template source -> compiled jinja2 template
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Tokenizer:
@@ -70,26 +70,55 @@ class Tokenizer:
                 ids = [self.bos_token_id, *ids]
         return ids
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id (byte-level form, e.g. 'Ġthe'), None if unknown."""
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        if not self.chat_template:
+        """Render a conversation with the model's chat template (or ``chat_template``)
+        in jinja2's immutable sandbox, as transformers does: ``tools``, ``documents``
+        and the entries of ``chat_template_kwargs`` are template variables.
+        ``continue_final_message`` ends the text inside the last message (to be
+        continued) instead of closing it."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token(self.bos_token_id),
-            eos_token=self._token(self.eos_token_id),
-        )
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be set")
+        template = self._compiled.get(source)
+        if template is None:
+            template = self._compiled[source] = _sandbox().from_string(source)
+        template_kwargs = chat_template_kwargs or {}
+        reserved = {"messages", "add_generation_prompt", "tools", "documents"}
+        clash = reserved & set(template_kwargs)
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(clash)}")
+        variables = dict(bos_token=self._token(self.bos_token_id),
+                         eos_token=self._token(self.eos_token_id))
+        variables.update(template_kwargs)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               tools=tools, documents=documents, **variables)
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or final.strip() not in text:
+                raise ValueError("continue_final_message needs a final message with text "
+                                 "content that the template renders")
+            text = text[: text.rindex(final.strip()) + len(final.strip())]
+        return text
 
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
@@ -99,20 +128,13 @@ def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
 
 
-class IncrementalDecoder:
-    """Text deltas as tokens arrive; holds back an incomplete UTF-8 sequence."""
+def _sandbox() -> Any:
+    """jinja2's immutable sandbox with the helpers HF chat templates use."""
+    import datetime
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self.emitted = ""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else text
-        self.emitted = text
-        return delta
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env

@@ -32,6 +32,7 @@ from enginecore.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from enginecore.sched.request_events import RequestEvents
 from enginecore.sched.request_queue import SchedulingPolicy, create_request_queue
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Scheduler:
         num_blocks: int,
         *,
         log_stats: bool = False,
+        log_iteration_details: bool = False,
         track_in_flight: bool = False,
     ) -> None:
         sc = config.scheduler_config
@@ -87,6 +89,7 @@ class Scheduler:
         self.policy = SchedulingPolicy(sc.scheduling_policy)
         self.block_size = config.cache_config.block_size
         self.log_stats = log_stats
+        self.log_iteration_details = log_stats and log_iteration_details
         lc = config.lora_config
         # At most max_loras distinct adapters run at once (the runner's slots).
         self.max_loras = lc.max_loras if lc.enable_lora else 0
@@ -121,6 +124,8 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.last_iteration: IterationDetails | None = None
+        # log_stats: QUEUED / SCHEDULED / PREEMPTED events for the front-end's metrics.
+        self.events = RequestEvents(self.owe_output) if log_stats else None
 
     # -- requests in ---------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -128,6 +133,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already live")
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        if self.events is not None:
+            self.events.queued(request)
 
     def reject_request(self, request: Request, reason: str) -> None:
         """Answer a request that cannot run with finish reason ERROR and ``reason``."""
@@ -174,6 +181,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
+        if self.events is not None:
+            self.events.forget(request.request_id)
 
     # -- state -----------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
@@ -324,6 +333,8 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed
                 scheduled_new.append(request)
+                if self.events is not None:
+                    self.events.scheduled(request)
                 self.num_admitted += 1
                 num_scheduled_tokens[request.request_id] = num_new
                 token_budget -= num_new
@@ -377,7 +388,7 @@ class Scheduler:
         self.preempted_req_ids = set()
         if self.track_in_flight:
             in_flight.update(num_scheduled_tokens)
-        if self.log_stats:
+        if self.log_iteration_details:
             self.last_iteration = self._iteration_details(output, scheduled_new, len(preempted))
         return output
 
@@ -422,6 +433,8 @@ class Scheduler:
         self.preempted_req_ids.add(request.request_id)
         self.num_preempted_total += 1
         self.waiting.prepend_request(request)
+        if self.events is not None:
+            self.events.preempted(request)
 
     def _iteration_details(
         self, output: SchedulerOutput, scheduled_new: list[Request], num_preempted: int

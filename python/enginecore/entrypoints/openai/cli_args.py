@@ -1,0 +1,90 @@
+"""``enginecore serve`` arguments: vLLM's server flags plus every EngineArgs field."""
+
+from __future__ import annotations
+
+import argparse
+
+from enginecore.config import EngineArgs
+from enginecore.entrypoints.cli_common import UserError, add_subcommand, user_errors
+from enginecore.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
+from enginecore.entrypoints.openai.serving_models import LoRAModulePath, parse_lora_module
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="an HF-format directory or a .gguf file (default: the default "
+                             "model, SmolLM2-135M-Instruct); same as --model")
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (0.0.0.0 or :: for every interface)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model names the API answers to (the first is reported); "
+                          "default: the model argument")
+    srv.add_argument("--lora-modules", nargs="+", default=[], type=parse_lora_module,
+                     metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories), each served as model NAME; "
+                          'also the JSON form {"name": ..., "path": ...}; turns on '
+                          "--enable-lora")
+    srv.add_argument("--api-server-count", type=int, default=1,
+                     help="API server processes on the one port, each a front-end of the "
+                          "same engine(s)")
+    srv.add_argument("--max-queued-requests", type=int, default=None,
+                     help="sequences allowed to wait beyond what the engine runs at once "
+                          "(max-num-seqs x data-parallel-size); more get 429 at once "
+                          "(default: no bound)")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="seconds SIGTERM waits for requests in flight before aborting them")
+    srv.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="larger request bodies get 413")
+    srv.add_argument("--uvicorn-log-level", default="warning",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+    EngineArgs.add_cli_args(parser)
+    # As vLLM's server: stats on (the /metrics gauges and the engine's stats line);
+    # --disable-log-stats (vLLM's spelling, config_aliases.py) or --no-log-stats
+    # turn them off, and then /metrics has only the server's counters.
+    parser.set_defaults(log_stats=True)
+    return parser
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    srv = add_subcommand(sub, "serve", "an OpenAI-compatible server (default model if none)")
+    add_serve_args(srv).set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from enginecore.entrypoints.openai.launcher import run_serve
+
+    return run_serve(args)
+
+
+def engine_args_of(args: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of ``serve`` (the positional MODEL wins over --model;
+    --lora-modules turns LoRA on)."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UserError(f"two models given ({args.model_tag!r} and --model "
+                            f"{args.model!r})")
+        args.model = args.model_tag
+    if args.api_server_count < 1:
+        raise UserError("--api-server-count must be >= 1")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise UserError("--max-queued-requests must be >= 0")
+    if args.shutdown_timeout < 0:
+        raise UserError("--shutdown-timeout must be >= 0")
+    with user_errors():
+        engine_args = EngineArgs.from_cli_args(args)
+    loras: list[LoRAModulePath] = args.lora_modules
+    if loras and not engine_args.enable_lora:
+        engine_args.enable_lora = True
+    return engine_args
+
+
+def process_capacity(args: argparse.Namespace, engine_args: EngineArgs) -> int | None:
+    """Sequences one API server process may hold (None: no bound)."""
+    if args.max_queued_requests is None:
+        return None
+    total = engine_args.max_num_seqs * engine_args.data_parallel_size + args.max_queued_requests
+    return max(1, -(-total // args.api_server_count))

@@ -1,0 +1,274 @@
+"""Input processing: prompts -> ``EngineCoreRequest``s, validated here.
+
+Everything the engine would refuse is refused here first, with a ``ValueError``
+(bad values) or ``TypeError`` (bad types) that names the problem, so a bad
+request fails at the caller (the server answers 400) and never travels to the
+engine: prompt types and token ids (in the model's vocabulary), an empty prompt,
+prompt length against ``max_model_len`` (and ``max_num_batched_tokens`` for
+pooling), ``max_tokens`` against the room left (``None`` is resolved to that
+room), stop strings without a tokenizer, stop token ids, structured-output
+constraints that do not compile, LoRA (enabled, adapter config), the task
+(generate vs embed), priority without priority scheduling, the data-parallel
+rank, and seeds of ``n`` children.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from enginecore.config import EngineConfig
+from enginecore.protocol import EngineCoreRequest, LoRARequest, PoolingParams
+from enginecore.sampling_params import _MAX_SEED, SamplingParams
+from enginecore.sched.request_queue import SchedulingPolicy
+
+PromptType = str | dict[str, Any]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None,
+                 max_model_len: int | None = None) -> None:
+        mc, sc, pc = config.model_config, config.scheduler_config, config.parallel_config
+        self.config = config
+        self.tokenizer = tokenizer
+        # The engine's (it may have capped max_model_len to its KV cache).
+        self.max_model_len = max_model_len or sc.max_model_len
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.vocab_size = mc.vocab_size
+        self.supported_tasks = (mc.task,)
+        self.priority_scheduling = sc.scheduling_policy == SchedulingPolicy.PRIORITY
+        self.dp_size = 1 if pc.data_parallel_external_lb else pc.data_parallel_size
+        self.lora_config = config.lora_config
+        # LoRA paths are checked here only when every engine runs on this machine.
+        self._engines_local = (pc.data_parallel_size_local >= pc.data_parallel_size
+                               and pc.data_parallel_backend != "ray")
+        self._structured: Any = None
+        self._arch: Any = None  # the model's LlamaArchConfig, for LoRA checks
+
+    # -- prompts ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache salt) of a prompt: a str, {"prompt": str} or
+        {"prompt_token_ids": [int, ...]} (optionally with "prompt" text and "cache_salt")."""
+        salt = None
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = None
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - _PROMPT_KEYS
+            if unknown:
+                raise ValueError(f"unknown prompt fields {sorted(unknown)}; a prompt dict has "
+                                 f"{sorted(_PROMPT_KEYS)}")
+            text, ids, salt = prompt.get("prompt"), prompt.get("prompt_token_ids"), \
+                prompt.get("cache_salt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"prompt must be a str, got {type(text).__name__}")
+            if ids is None and text is None:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        else:
+            raise TypeError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': "
+                            f"[int, ...]}}, got {type(prompt).__name__}")
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = self._check_token_ids(ids, "prompt_token_ids")
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        return text, ids, salt
+
+    def _check_token_ids(self, ids: Any, what: str) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{what} must be a list of ints, got {type(ids).__name__}")
+        vocab = self.vocab_size
+        for t in ids:
+            if type(t) is not int:
+                raise TypeError(f"{what} must be ints, got {type(t).__name__} {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"{what} must be in [0, {vocab}) (the model's vocabulary), "
+                                 f"got {t}")
+        return list(ids)
+
+    # -- requests --------------------------------------------------------------------------
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None,
+        *,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        data_parallel_rank: int | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Validate and tokenize one request; (prompt text, request for the engine).
+        Sampling params come back as a validated copy with ``max_tokens`` resolved."""
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if params is None:
+            params = SamplingParams()
+        pooling = isinstance(params, PoolingParams)
+        if not pooling and not isinstance(params, SamplingParams):
+            raise TypeError("params must be SamplingParams (generate) or PoolingParams "
+                            f"(encode), got {type(params).__name__}")
+        task = "embed" if pooling else "generate"
+        if task not in self.supported_tasks:
+            raise ValueError(f"this model does not support the {task!r} task; it supports "
+                             f"{self.supported_tasks}")
+        text, ids, salt = self.tokenize_prompt(prompt)
+        salt = cache_salt if cache_salt is not None else salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty str, got {salt!r}")
+        self._check_priority(priority)
+        self._check_dp_rank(data_parallel_rank)
+        if lora_request is not None:
+            self._check_lora(lora_request)
+        n = len(ids)
+        if pooling:
+            if n > self.max_model_len:
+                raise ValueError(f"the prompt ({n} tokens) is longer than the maximum model "
+                                 f"length of {self.max_model_len}")
+            if n > self.max_num_batched_tokens:
+                raise ValueError(f"an embedding prompt runs in one step: {n} tokens > "
+                                 f"max_num_batched_tokens {self.max_num_batched_tokens}")
+            sp = None
+        else:
+            sp = self._check_sampling(params, n)
+        request = EngineCoreRequest(
+            request_id, ids, sp, time.time() if arrival_time is None else arrival_time,
+            lora_request, salt, data_parallel_rank, priority=priority,
+            pooling_params=params if pooling else None)
+        return text, request
+
+    def _check_sampling(self, params: SamplingParams, n: int) -> SamplingParams:
+        room = self.max_model_len - n
+        if room < 1:
+            raise ValueError(f"the prompt ({n} tokens) leaves no room to generate within the "
+                             f"maximum model length of {self.max_model_len}")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {n + max_tokens} ({n} in the prompt, {max_tokens} to "
+                "generate): reduce the prompt or max_tokens")
+        # A validated copy: the caller's object is left alone (and re-checked, in case it
+        # was changed after construction).
+        sp = msgspec.structs.replace(params, max_tokens=max_tokens)
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        self._check_token_ids(sp.stop_token_ids, "stop_token_ids")
+        if sp.seed is not None and sp.seed + sp.n - 1 > _MAX_SEED:
+            raise ValueError(f"seed {sp.seed} + n - 1 does not fit in 64 bits (child "
+                             "requests use seed + index)")
+        if sp.structured_outputs is not None:
+            self._check_structured(sp)
+        return sp
+
+    def _check_structured(self, sp: SamplingParams) -> None:
+        from enginecore.sched.structured_output import (
+            StructuredOutputError,
+            StructuredOutputManager,
+        )
+
+        if self._structured is None:
+            mc = self.config.model_config
+            path = mc.model_path and os.path.join(mc.model_path, "tokenizer.json")
+            self._structured = StructuredOutputManager(
+                path if path and os.path.exists(path) else None, mc.vocab_size,
+                mc.eos_token_id)
+        try:
+            self._structured.compile(sp.structured_outputs)
+        except StructuredOutputError as e:
+            raise ValueError(str(e)) from None
+
+    def _check_priority(self, priority: Any) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and not self.priority_scheduling:
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority'")
+
+    def _check_dp_rank(self, rank: Any) -> None:
+        if rank is None:
+            return
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.dp_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.dp_size}), got {rank!r}")
+
+    def _check_lora(self, lora: Any) -> None:
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if not self.lora_config.enable_lora:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora=True)")
+        if not isinstance(lora.lora_int_id, int) or lora.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, got {lora.lora_int_id!r}")
+        if not lora.lora_name:
+            raise ValueError("lora_name must not be empty")
+        if lora.lora_path and self._engines_local:
+            from enginecore.model.arch_config import load_arch_config
+            from enginecore.model.lora import LoRAError, read_adapter_config
+
+            try:
+                if self._arch is None:
+                    self._arch = load_arch_config(self.config.model_config.model_path)
+                read_adapter_config(lora.lora_path, lora.lora_int_id, lora.lora_name,
+                                    self.lora_config.max_lora_rank, self._arch)
+            except LoRAError as e:
+                raise ValueError(str(e)) from None
+            except (OSError, ValueError) as e:
+                raise ValueError(f"LoRA {lora.lora_name!r}: unreadable adapter config: {e}"
+                                 ) from None
+
+    # -- chat --------------------------------------------------------------------------------
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}
+        (the template writes the special tokens, so none are added on top)."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: chat needs its chat template")
+        text = self.tokenizer.apply_chat_template(
+            normalize_messages(messages), add_generation_prompt, tools=tools,
+            documents=documents, chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)
+        return {"prompt": text,
+                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages for a template: content given as a list of parts
+    ({"type": "text", "text": ...}) becomes one string; other part types are refused."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a str 'role'")
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{i}]: content part {kind!r} is not supported "
+                                     "(text only)")
+                texts.append(str(part.get("text", "")))
+            msg = {**msg, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a str or a list of text parts")
+        out.append(msg)
+    return out
