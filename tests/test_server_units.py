@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from enginecore.entrypoints.cli import build_parser
+from enginecore.entrypoints.cli_common import UserError
 from enginecore.entrypoints.openai.admission import Admission
 from enginecore.entrypoints.openai.cli_args import engine_args_of, process_capacity
 from enginecore.entrypoints.openai.errors import APIError
@@ -45,7 +46,7 @@ def test_serve_flags_are_vllms_and_every_engine_arg():
     assert (defaults.host, defaults.port, engine_args_of(defaults).model) == ("127.0.0.1",
                                                                               8000, None)
     assert process_capacity(defaults, engine_args_of(defaults)) is None
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError, match="two models given"):
         engine_args_of(serve_args("a", "--model", "b"))
     with pytest.raises(ValueError):
         parse_lora_module("no-equals-sign")

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from typing import Any
 
 from enginecore import _native
+
+
+_WAKE_S = 0.1
 
 
 class PyBlockingQueue:
@@ -30,9 +34,16 @@ class PyBlockingQueue:
     put_nowait = put
 
     def get(self, timeout: float | None = None) -> Any:
+        """Waits in 100 ms slices, as the native queue does: a signal that the
+        kernel hands to another thread (SIGTERM to an idle engine) is only run by
+        the main thread once it wakes; an endless wait slept through it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if not self._cond.wait_for(lambda: self._items, timeout):
-                raise queue.Empty
+            while not self._items:
+                wait = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
+                if wait <= 0:
+                    raise queue.Empty
+                self._cond.wait(wait)
             return self._items.popleft()
 
     def get_nowait(self) -> Any:

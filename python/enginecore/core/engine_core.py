@@ -21,6 +21,7 @@ from enginecore.blocking_queue import make_blocking_queue
 from enginecore.bounds import NonNegInt64, PositiveInt64, finite
 from enginecore.config import EngineConfig
 from enginecore.core.fault_isolation import FaultIsolation
+from enginecore.core.stat_logger import StatLogger
 from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -59,7 +60,9 @@ class EngineCore:
     ) -> None:
         _native.set_native(config.use_native)
         self.config = config
-        self.log_stats = log_stats
+        # One switch: the caller's flag or the config's (EngineArgs.log_stats) turns on
+        # the stats every step (to front-ends) and the periodic stats line.
+        self.log_stats = log_stats or config.log_stats
         if executor_class is None:
             executor_class = get_executor_class(config)
         logger.info(
@@ -78,10 +81,15 @@ class EngineCore:
         self.scheduler = Scheduler(
             config,
             num_blocks,
-            log_stats=log_stats,
+            # log_iteration_details implies stats (the per-step lines read them).
+            log_stats=self.log_stats or config.log_iteration_details,
             log_iteration_details=config.log_iteration_details,
             track_in_flight=self.batch_queue is not None,
         )
+        self.stat_logger = StatLogger(
+            getattr(self, "engine_index", 0), config.log_stats_interval_s,
+            config.log_iteration_details,
+        ) if self.log_stats or config.log_iteration_details else None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         # A batch that makes the executor raise costs only the culprit request(s).
         self.fault_isolation = FaultIsolation(self)
@@ -266,6 +274,8 @@ class EngineCore:
         self._stamp_elapsed(t0)
         outputs = scheduler.update_from_output(scheduler_output, model_output)
         self.fault_isolation.step_succeeded()
+        if self.stat_logger is not None:
+            self.stat_logger.record(outputs, scheduler_output.total_num_scheduled_tokens)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -305,6 +315,8 @@ class EngineCore:
         self._stamp_elapsed(t0)
         outputs = scheduler.update_from_output(scheduler_output, model_output)
         self.fault_isolation.step_succeeded()
+        if self.stat_logger is not None:
+            self.stat_logger.record(outputs, scheduler_output.total_num_scheduled_tokens)
         return outputs, model_executed
 
     def _batch_queue_failed(self, so: SchedulerOutput, error: Exception) -> None:
@@ -329,7 +341,7 @@ class EngineCore:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             result = self.model_executor.execute_model(scheduler_output, non_block=False)
-        except BaseException:
+        except Exception:  # not Ctrl-C or a shutdown signal: those are no executor failure
             self.scheduler.log_state()
             raise
         if isinstance(result, Future):
@@ -339,7 +351,7 @@ class EngineCore:
     def _result(self, future: Future) -> ModelRunnerOutput:
         try:
             return self._sampled(future.result())
-        except BaseException:
+        except Exception:
             self.scheduler.log_state()
             raise
 

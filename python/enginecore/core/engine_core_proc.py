@@ -28,6 +28,7 @@ from enginecore.core.engine_io import FAIL_SILENTLY, FATAL, SHUTDOWN, EngineIO
 from enginecore.core.liveness import remove_private_dir, watch_parent
 from enginecore.core.utility import convert_args, signature_of
 from enginecore.executor.abstract import Executor
+from enginecore.interrupts import ignore_sigint
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -291,7 +292,10 @@ def run_engine_core(
         raise _Shutdown(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    if parent_pid is None:
+        signal.signal(signal.SIGINT, on_signal)
+    else:
+        ignore_sigint()  # Ctrl-C is the front-end's; it stops us (interrupts.py)
     parent_gone = []
     if parent_pid is not None:
         # Liveness from the parent's death (a pidfd), not from a heartbeat: a

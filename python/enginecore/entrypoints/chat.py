@@ -25,7 +25,9 @@ Message = dict[str, str]
 
 
 def add_parser(sub: Any) -> None:
-    chat = sub.add_parser("chat", help="chat in the terminal (in process, or with --url)")
+    from enginecore.entrypoints.cli_common import add_subcommand
+
+    chat = add_subcommand(sub, "chat", "chat in the terminal (in process, or with --url)")
     chat.add_argument("--url", default=None,
                       help="a server's base URL, e.g. http://127.0.0.1:8000/v1 (default: run "
                            "the model in this process)")

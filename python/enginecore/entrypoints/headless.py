@@ -10,17 +10,24 @@ import multiprocessing
 import os
 import signal
 
+from enginecore.entrypoints.cli_common import (
+    EXIT_INTERRUPTED,
+    UserError,
+    add_subcommand,
+    user_errors,
+)
+
 logger = logging.getLogger(__name__)
 
 
 def run_headless(args: argparse.Namespace) -> int:
     from enginecore.config import EngineArgs
     from enginecore.core.engine_core_proc import run_engine_core
-
+    from enginecore.interrupts import children_ignore_sigint
     from enginecore.transport import curve_wanted, default_key_file, read_rank_keys
 
-    engine_args = EngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config()
+    with user_errors():
+        config = EngineArgs.from_cli_args(args).create_engine_config()
     tc = config.transport_config
     if curve_wanted(tc):
         # The front-end's keys of this launch, out of band: ENGINECORE_CURVE_KEYS or
@@ -30,12 +37,23 @@ def run_headless(args: argparse.Namespace) -> int:
         tc.curve_keys = read_rank_keys(path, wait_s=args.handshake_timeout)
     pc = config.parallel_config
     if not pc.data_parallel_rpc_port:
-        raise SystemExit("--data-parallel-rpc-port is needed: the front-end's handshake port")
+        raise UserError("--data-parallel-rpc-port is needed: the front-end's handshake port")
     address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port}"
     ranks = range(pc.data_parallel_start_rank, pc.data_parallel_start_rank +
                   pc.data_parallel_size_local)
     ctx = multiprocessing.get_context("spawn")
     procs = []
+    stopped_by: list[int] = []
+
+    def stop(signum, frame):
+        stopped_by.append(signum)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    # Ctrl-C reaches the engines too; they ignore it and this process stops them.
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     for rank in ranks:
         rank_config = dataclasses.replace(
             config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank))
@@ -43,32 +61,33 @@ def run_headless(args: argparse.Namespace) -> int:
             config=rank_config, handshake_address=address, engine_index=rank,
             handshake_timeout_s=args.handshake_timeout, parent_pid=os.getpid(),
             log_level=logging.getLogger().getEffectiveLevel()))
-        proc.start()
+        with children_ignore_sigint():
+            proc.start()
         procs.append(proc)
+        if stopped_by:
+            stop(stopped_by[0], None)
+            break
     print(f"headless engines for ranks {list(ranks)} joining {address}", flush=True)
-
-    def stop(signum, frame):
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     code = 0
     for p in procs:
         p.join()
         code = code or (p.exitcode or 0)
+    if signal.SIGINT in stopped_by:
+        return EXIT_INTERRUPTED
     return code
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from enginecore.config import EngineArgs
 
-    eng = sub.add_parser("engine", help="run engine processes (headless data-parallel ranks)")
+    eng = add_subcommand(
+        sub, "engine", "run engine processes (headless data-parallel ranks)",
+        "Run data-parallel ranks --data-parallel-start-rank .. + --data-parallel-size-local - 1 "
+        "on this node; they join the front-end whose handshake listens at "
+        "--data-parallel-address:--data-parallel-rpc-port.")
     eng.add_argument("--headless", action="store_true", required=True,
                      help="no front-end here: join the one at --data-parallel-address")
-    eng.add_argument("--handshake-timeout", type=float, default=120.0)
+    eng.add_argument("--handshake-timeout", type=float, default=120.0, metavar="S",
+                     help="seconds to wait for the front-end's handshake")
     EngineArgs.add_cli_args(eng)
     eng.set_defaults(func=run_headless)
-
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from enginecore.config import EngineArgs
+from enginecore.entrypoints.cli_common import UserError, add_subcommand, user_errors
 from enginecore.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
 from enginecore.entrypoints.openai.serving_models import LoRAModulePath, parse_lora_module
 
@@ -38,12 +39,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="seconds SIGTERM waits for requests in flight before aborting them")
     srv.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="larger request bodies get 413")
-    srv.add_argument("--disable-log-stats", action="store_true",
-                     help="no engine stats (/metrics then has only the server's counters)")
     srv.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(parser)
+    # As vLLM's server: stats on (the /metrics gauges and the engine's stats line);
+    # --disable-log-stats (vLLM's spelling, config_aliases.py) or --no-log-stats
+    # turn them off, and then /metrics has only the server's counters.
+    parser.set_defaults(log_stats=True)
     return parser
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    srv = add_subcommand(sub, "serve", "an OpenAI-compatible server (default model if none)")
+    add_serve_args(srv).set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from enginecore.entrypoints.openai.launcher import run_serve
+
+    return run_serve(args)
 
 
 def engine_args_of(args: argparse.Namespace) -> EngineArgs:
@@ -51,16 +65,17 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
     --lora-modules turns LoRA on)."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
-            raise SystemExit(f"enginecore serve: two models given ({args.model_tag!r} and "
-                             f"--model {args.model!r})")
+            raise UserError(f"two models given ({args.model_tag!r} and --model "
+                            f"{args.model!r})")
         args.model = args.model_tag
     if args.api_server_count < 1:
-        raise SystemExit("enginecore serve: --api-server-count must be >= 1")
+        raise UserError("--api-server-count must be >= 1")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise SystemExit("enginecore serve: --max-queued-requests must be >= 0")
+        raise UserError("--max-queued-requests must be >= 0")
     if args.shutdown_timeout < 0:
-        raise SystemExit("enginecore serve: --shutdown-timeout must be >= 0")
-    engine_args = EngineArgs.from_cli_args(args)
+        raise UserError("--shutdown-timeout must be >= 0")
+    with user_errors():
+        engine_args = EngineArgs.from_cli_args(args)
     loras: list[LoRAModulePath] = args.lora_modules
     if loras and not engine_args.enable_lora:
         engine_args.enable_lora = True

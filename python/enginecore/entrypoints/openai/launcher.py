@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from enginecore.config import EngineArgs
+from enginecore.entrypoints.cli_common import UserError
 from enginecore.entrypoints.openai.cli_args import engine_args_of, process_capacity
 
 logger = logging.getLogger("enginecore.serve")
@@ -61,7 +62,7 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     except OSError as e:
         for s in socks:
             s.close()
-        raise SystemExit(f"enginecore serve: cannot listen on {host}:{port}: {e}") from None
+        raise UserError(f"cannot listen on {host}:{port}: {e}") from None
     return socks
 
 
@@ -127,7 +128,7 @@ def _serve_one(args: argparse.Namespace, engine_args: EngineArgs, t0: float) -> 
     async def main() -> None:
         from enginecore.frontend import AsyncLLM
 
-        engine = AsyncLLM.from_engine_args(engine_args, log_stats=not args.disable_log_stats)
+        engine = AsyncLLM.from_engine_args(engine_args, log_stats=engine_args.log_stats)
         try:
             await _serve_with(engine, args, process_capacity(args, engine_args), sock,
                               lambda: _announce(args, t0, "serving"))
@@ -148,7 +149,7 @@ def _api_worker(args: argparse.Namespace, handoff: Any, sock: socket.socket,
     async def main() -> None:
         from enginecore.frontend import AsyncLLM
 
-        engine = AsyncLLM.from_handoff(handoff, log_stats=not args.disable_log_stats)
+        engine = AsyncLLM.from_handoff(handoff, log_stats=engine_args.log_stats)
         try:
             await _serve_with(engine, args, process_capacity(args, engine_args), sock,
                               ready.set)
@@ -175,7 +176,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
 
     # (log_stats is the engines' setting too: the API servers' gauges need their stats)
     engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1,
-                                       log_stats=not args.disable_log_stats)
+                                       log_stats=engine_args.log_stats)
     spawn = multiprocessing.get_context("spawn")
     # What the API server processes get (the subcommand's function does not pickle).
     worker_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
