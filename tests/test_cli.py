@@ -245,14 +245,14 @@ def test_ctrl_c_headless_engines_starting_and_waiting(after):
 _CLIENT_SCRIPT = """
 import sys
 from enginecore import EngineArgs, EngineCoreRequest, SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 if __name__ == "__main__":
     client = None
     print("starting", flush=True)
     try:
         cfg = EngineArgs(model="synthetic", synthetic_step_latency_s=0.005,
                          data_parallel_size=int(sys.argv[1])).create_engine_config()
-        client = EngineCoreClient.make_client(True, False, cfg)
+        client = make_client(True, False, cfg)
         client.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(
             max_tokens=1_000_000, ignore_eos=True)))
         print("generating", flush=True)

@@ -13,7 +13,7 @@ import pytest
 
 from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
 from enginecore import SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 from enginecore.core.dp_coordinator import DPCoordinator
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -57,7 +57,7 @@ def test_lockstep_is_the_default_for_moe_only():
 
 
 def test_lockstep_dp2_same_tokens_fair_share_and_the_wave_ends(hot_path):
-    c = EngineCoreClient.make_client(True, False, lockstep_config(
+    c = make_client(True, False, lockstep_config(
         synthetic_step_latency_s=0.001, synthetic_moe=True, data_parallel_lockstep=None))
     try:
         for r in reqs():
@@ -85,7 +85,7 @@ def test_lockstep_dp2_same_tokens_fair_share_and_the_wave_ends(hot_path):
 
 
 def test_one_request_on_one_rank_wakes_the_other():
-    c = EngineCoreClient.make_client(True, False, lockstep_config())
+    c = make_client(True, False, lockstep_config())
     try:
         before = dp_states(c)
         assert [s["num_dummy_batches"] for s in before] == [0, 0]
@@ -116,7 +116,7 @@ def send_start_wave(c, engine: int, wave: int, exclude: int = -1) -> None:
 
 
 def test_stale_start_wave_is_ignored_and_a_later_one_is_adopted_by_all():
-    c = EngineCoreClient.make_client(True, False, lockstep_config())
+    c = make_client(True, False, lockstep_config())
     try:
         c.add_request(EngineCoreRequest("w", [1, 2], SamplingParams(max_tokens=2)))
         while not any(o.finish_reason is not None for o in c.get_output(timeout=10).outputs):
@@ -173,7 +173,7 @@ def test_coordinator_wave_rules():
 def test_pause_abort_staggered_pauses_and_requests_while_paused():
     async def main():
         cfg = lockstep_config(synthetic_step_latency_s=0.002)
-        a = EngineCoreClient.make_client(True, True, cfg, client_count=2)
+        a = make_client(True, True, cfg, client_count=2)
         b = a.attach(1)
         try:
             for i in range(10):
@@ -228,7 +228,7 @@ def test_pause_abort_staggered_pauses_and_requests_while_paused():
 
 
 def test_staggered_barriers_pair_up():
-    c = EngineCoreClient.make_client(True, False, lockstep_config())
+    c = make_client(True, False, lockstep_config())
     try:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -253,7 +253,7 @@ def test_staggered_barriers_pair_up():
 def test_prefill_throttling_admits_on_cadence_steps(interval):
     # Two running slots per rank: queued requests are admitted as others finish
     # (after 3-7 tokens), i.e. on all sorts of steps unless throttled.
-    c = EngineCoreClient.make_client(True, False, lockstep_config(
+    c = make_client(True, False, lockstep_config(
         prefill_schedule_interval=interval, max_num_seqs=2, synthetic_step_latency_s=0.001))
     try:
         for i in range(40):
@@ -270,7 +270,7 @@ def test_prefill_throttling_admits_on_cadence_steps(interval):
 
 
 def test_killing_a_lockstep_rank_is_engine_dead_fast_and_nothing_hangs():
-    c = EngineCoreClient.make_client(True, False, lockstep_config(synthetic_step_latency_s=0.005))
+    c = make_client(True, False, lockstep_config(synthetic_step_latency_s=0.005))
     try:
         for i in range(4):
             c.add_request(EngineCoreRequest(f"k{i}", [1, i], SamplingParams(
@@ -291,7 +291,7 @@ def test_killing_a_lockstep_rank_is_engine_dead_fast_and_nothing_hangs():
 
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
-    c = EngineCoreClient.make_client(True, False, lockstep_config(
+    c = make_client(True, False, lockstep_config(
         data_parallel_lockstep=lockstep, synthetic_step_latency_s=0.002))
     expected = {f"e{i}": 30 + i % 7 for i in range(90)}
     got: dict[str, list[int]] = {}
@@ -342,7 +342,7 @@ def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
 
 def test_async_scale_2_to_3_to_2_while_serving():
     async def main():
-        c = EngineCoreClient.make_client(True, True, lockstep_config(
+        c = make_client(True, True, lockstep_config(
             synthetic_step_latency_s=0.002))
         expected = {f"a{i}": 20 + i % 5 for i in range(60)}
         got: dict[str, int] = {}

@@ -27,7 +27,7 @@ from enginecore import (
     SamplingParams,
 )
 from enginecore import _native
-from enginecore.client import EngineCoreClient, SyncMPClient
+from enginecore.client import SyncMPClient, make_client
 from enginecore.protocol import EngineCoreRequestType, UtilityRequest, readable_request_id
 from enginecore.sampling_params import StructuredOutputsParams
 
@@ -201,7 +201,7 @@ def test_sync_reader_drops_bad_frames(client):
 
 def test_asyncio_reader_drops_bad_frames(hot_path):
     async def main():
-        c = EngineCoreClient.make_client(True, True, cfg())
+        c = make_client(True, True, cfg())
         ctx, push = push_to(c.output_address)
         try:
             await c.call_utility_async("echo", 1)  # the reader task runs
@@ -406,7 +406,7 @@ def test_shutdown_wakes_a_blocked_get_output(hot_path, mode):
         return
 
     async def main():
-        c = EngineCoreClient.make_client(True, True, cfg())
+        c = make_client(True, True, cfg())
         waiter = asyncio.ensure_future(c.get_output_async())
         call = asyncio.ensure_future(c.call_utility_async("echo", 1))
         await call

@@ -130,7 +130,7 @@ class EngineLauncher:
 
     def _spawn_ranks(self, ranks: list[int], hs_address: str, config: EngineConfig,
                      ) -> list[multiprocessing.process.BaseProcess]:
-        from enginecore.core.engine_core_proc import run_engine_core
+        from enginecore.core.engine_process import run_engine_core
 
         devices = rank_devices(config)
         ctx = multiprocessing.get_context("spawn")

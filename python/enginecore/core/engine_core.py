@@ -22,7 +22,8 @@ from enginecore.bounds import NonNegInt64, PositiveInt64, finite
 from enginecore.config import EngineConfig
 from enginecore.core.fault_isolation import FaultIsolation
 from enginecore.core.stat_logger import StatLogger
-from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
+from enginecore.executor.abstract import Executor, KVCacheConfig
+from enginecore.executor.factory import get_executor_class
 from enginecore.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

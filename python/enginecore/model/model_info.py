@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from enginecore.config import ModelConfig
+from enginecore.model_config import ModelConfig
 from enginecore.model.arch_config import load_arch_config
 from enginecore.model.bert import is_encoder_config, load_bert_config
 
