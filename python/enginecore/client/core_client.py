@@ -4,12 +4,18 @@ makes one)."""
 from __future__ import annotations
 
 import abc
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest
 
 
 class EngineCoreClient(abc.ABC):
+    # vLLM's spelling, ``EngineCoreClient.make_client(multiprocess_mode, asyncio_mode,
+    # config)``: client/factory.py's ``make_client``, set there because this interface
+    # cannot import the clients that implement it (the package imports the factory).
+    make_client: ClassVar[Callable[..., EngineCoreClient]]
+
     # -- sync API ----------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError

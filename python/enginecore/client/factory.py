@@ -37,3 +37,6 @@ def make_client(
     if kwargs:
         raise TypeError(f"InprocClient takes no {', '.join(sorted(kwargs))}")
     return InprocClient(config, executor_class, log_stats)
+
+
+EngineCoreClient.make_client = staticmethod(make_client)
