@@ -599,11 +599,20 @@ py::tuple finish_running(py::list scheduled_running, py::dict num_scheduled_toke
 }  // namespace
 
 void bind_scheduler_update(py::module_& m) {
-  m.def("finish_running", &finish_running,
+  m.def("finish_running", &finish_running, py::arg("scheduled_running"),
+        py::arg("num_scheduled_tokens"),
         "Scheduler._finish_running: ids, computed counts, grammar flag; counts advanced.");
-  m.def("update_decodes", &update_decodes,
+  m.def("update_decodes", &update_decodes, py::arg("requests"), py::arg("scheduled"),
+        py::arg("sampled"), py::arg("req_ids"), py::arg("index_of"), py::arg("in_flight"),
+        py::arg("max_model_len"), py::arg("statuses"), py::arg("outputs"), py::arg("cols"),
+        py::arg("stopped_list"), py::arg("types"), py::arg("emit_finished"),
+        py::arg("update_request"), py::arg("failed"),
         "The plain-decode loop of Scheduler.update_from_output (see scheduler.py).");
-  m.def("schedule_running", &schedule_running,
+  m.def("schedule_running", &schedule_running, py::arg("running"), py::arg("in_flight"),
+        py::arg("token_budget"), py::arg("threshold"), py::arg("max_len_1"), py::arg("kv"),
+        py::arg("req_to_blocks"), py::arg("num_cached_blocks"), py::arg("block_size"),
+        py::arg("enable_caching"), py::arg("block_pool"), py::arg("scheduled_running"),
+        py::arg("running_new_blocks"), py::arg("num_scheduled_tokens"),
         "The common-case prefix of Scheduler.schedule()'s running loop (see scheduler.py).");
 }
 
