@@ -73,7 +73,7 @@ def test_dp2_same_tokens_fair_share_nothing_left(hot_path):
         got, served = drain_by_rank(c)
         assert got == reference()
         assert min(served) >= 0.4 * N, served
-        assert c._load == [0, 0] and not c._live
+        assert c.router.load == [0, 0] and not c.router.live
         assert c.call_utility("get_request_counts") == (0, 0)
     finally:
         c.shutdown()

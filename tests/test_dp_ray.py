@@ -51,11 +51,11 @@ def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
         assert got == reference()
         assert min(served) >= 0.4 * N, served
         if lockstep:
-            assert wait_for(lambda: not c._link.engines_running)
+            assert wait_for(lambda: not c.router.link.engines_running)
             states = dp_states(c)
             assert len({s["current_wave"] for s in states}) == 1
             assert not any(s["engines_running"] for s in states)
-        assert c._load == [0, 0] and not c._live
+        assert c.router.load == [0, 0] and not c.router.live
         assert c.call_utility("get_request_counts") == (0, 0)
     finally:
         c.shutdown()

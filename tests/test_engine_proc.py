@@ -22,6 +22,7 @@ from enginecore import (
     SamplingParams,
 )
 from enginecore.client import SyncMPClient, make_client
+from enginecore.client.utility_calls import PendingCall
 from enginecore.protocol import EngineCoreRequestType, SchedulerStats, UtilityRequest
 
 from helpers import run_to_completion, synthetic_engine
@@ -136,7 +137,8 @@ def test_utility_calls_values_failures_and_allow_list(client):
     # Straight at the engine, bypassing the client's own check: refused there too.
     payload = msgspec.msgpack.encode(UtilityRequest(0, 777, "run_busy_loop", []))
     fut = __import__("concurrent.futures").futures.Future()
-    client._pending[777] = ["echo", fut, 1, None, None, 0]  # before the reply can arrive
+    # Registered before the reply can arrive.
+    client.pending_calls.add(777, PendingCall("echo", fut, replies_due=1, answering_rank=0))
     client.input_socket.send_multipart([client.identity, EngineCoreRequestType.UTILITY.value,
                                         payload])
     with pytest.raises(RuntimeError, match="not allowed"):

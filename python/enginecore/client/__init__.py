@@ -5,4 +5,5 @@ from enginecore.client.factory import make_client
 from enginecore.client.inproc_client import InprocClient
 from enginecore.client.mp_client import AsyncMPClient, MPClient, SyncMPClient
 
-__all__ = ["AsyncMPClient", "EngineCoreClient", "InprocClient", "MPClient", "SyncMPClient", "make_client"]
+__all__ = ["AsyncMPClient", "EngineCoreClient", "InprocClient", "MPClient", "SyncMPClient",
+           "make_client"]

@@ -72,7 +72,7 @@ class EngineLauncher:
         if self._coord_addresses is not None:
             from enginecore.client.dp_link import CoordinatorLink
 
-            self._link = CoordinatorLink(self.ctx, self._coord_addresses,
+            self.router.link = CoordinatorLink(self.ctx, self._coord_addresses,
                                          self.config.parallel_config.data_parallel_lockstep,
                                          self._curve)
 
