@@ -86,9 +86,9 @@ def test_encode_outputs(benchmark, path, batch):
 @pytest.mark.parametrize("batch", [64, 256])
 def test_update_and_encode(benchmark, path, batch):
     benchmark.group = f"update_and_encode[{batch} decodes]"
-    eng = decoding_engine(batch)
+    # Columns on the native path, as EngineCoreProc builds its engine.
+    eng = decoding_engine(batch, columnar_outputs=path == "native")
     scheduler = eng.scheduler
-    scheduler.columnar_outputs = path == "native"  # as EngineCoreProc sets it
     encoder = OutputEncoder()
 
     def next_step():  # schedule + model, not timed

@@ -10,11 +10,11 @@ import logging
 import os
 import queue
 import time
-
-import msgspec
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Annotated, Any, Literal
+
+import msgspec
 
 from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
@@ -58,7 +58,9 @@ class EngineCore:
         executor_class: type[Executor] | None = None,
         log_stats: bool = False,
         executor_fail_callback: Any = None,
+        columnar_outputs: bool = False,
     ) -> None:
+        """``columnar_outputs``: the scheduler's step outputs as columns (see Scheduler)."""
         _native.set_native(config.use_native)
         self.config = config
         # One switch: the caller's flag or the config's (EngineArgs.log_stats) turns on
@@ -79,6 +81,12 @@ class EngineCore:
         self.batch_queue = (
             make_blocking_queue(self.batch_queue_size) if self.batch_queue_size > 1 else None
         )
+        mc = config.model_config
+        path = mc.model_path
+        tok_json = os.path.join(path, "tokenizer.json") if path else None
+        self.structured_output = StructuredOutputManager(
+            tok_json if tok_json and os.path.exists(tok_json) else None, mc.vocab_size,
+            mc.eos_token_id, config.structured_outputs_config.mask_budget_ms)
         self.scheduler = Scheduler(
             config,
             num_blocks,
@@ -86,6 +94,8 @@ class EngineCore:
             log_stats=self.log_stats or config.log_iteration_details,
             log_iteration_details=config.log_iteration_details,
             track_in_flight=self.batch_queue is not None,
+            columnar_outputs=columnar_outputs,
+            structured_output=self.structured_output,
         )
         self.stat_logger = StatLogger(
             getattr(self, "engine_index", 0), config.log_stats_interval_s,
@@ -98,7 +108,6 @@ class EngineCore:
         # applied before that step's outputs are processed.
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self.weight_version: str | None = None
-        mc = config.model_config
         self._eos_token_id = mc.eos_token_id
         self._vocab_size = mc.vocab_size
         self._max_model_len = self.scheduler.max_model_len
@@ -107,12 +116,6 @@ class EngineCore:
         self._hash_algo = cc.prefix_caching_hash_algo
         self._enable_hashes = cc.enable_prefix_caching
         self._tasks = self.get_supported_tasks()
-        path = mc.model_path
-        tok_json = os.path.join(path, "tokenizer.json") if path else None
-        self.structured_output = StructuredOutputManager(
-            tok_json if tok_json and os.path.exists(tok_json) else None, mc.vocab_size,
-            mc.eos_token_id, config.structured_outputs_config.mask_budget_ms)
-        self.scheduler.structured_output = self.structured_output
         self._max_batched = config.scheduler_config.max_num_batched_tokens
         self._wire_encoder = msgspec.msgpack.Encoder()
 
