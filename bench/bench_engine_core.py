@@ -14,12 +14,12 @@ from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 from enginecore.executor import SyntheticExecutor
 
 
-def decoding_engine(num_reqs: int, columnar_outputs: bool = False) -> EngineCore:
+def decoding_engine(num_reqs: int) -> EngineCore:
     cfg = EngineArgs(
         model="synthetic", max_model_len=1 << 16, kv_cache_memory_bytes=16 << 30,
         max_num_seqs=max(num_reqs, 1), max_num_batched_tokens=max(8192, num_reqs),
     ).create_engine_config()
-    eng = EngineCore(cfg, SyntheticExecutor, columnar_outputs=columnar_outputs)
+    eng = EngineCore(cfg, SyntheticExecutor)
     rng = random.Random(0)
     for i in range(num_reqs):
         prompt = [rng.randrange(32000) for _ in range(32)]

@@ -86,8 +86,7 @@ def test_encode_outputs(benchmark, path, batch):
 @pytest.mark.parametrize("batch", [64, 256])
 def test_update_and_encode(benchmark, path, batch):
     benchmark.group = f"update_and_encode[{batch} decodes]"
-    # Columns on the native path, as EngineCoreProc builds its engine.
-    eng = decoding_engine(batch, columnar_outputs=path == "native")
+    eng = decoding_engine(batch)
     scheduler = eng.scheduler
     encoder = OutputEncoder()
 

@@ -74,11 +74,11 @@ def finish_running(scheduled_running: list[Any],
 
 def update_decodes(requests: dict[str, Any], scheduled: dict[str, int], sampled: list[list[int]],
                    req_ids: list[str], index_of: dict[str, int], in_flight: set[str] | None,
-                   max_model_len: int, statuses: tuple[Any, Any, Any],
-                   outputs: dict[int, Any], cols: Any, stopped_list: list[Any],
-                   types: tuple[type, type], emit_finished: Any, update_request: Any,
-                   failed: list[tuple[str, str]]) -> None:
-    """The plain-decode loop of ``Scheduler.update_from_output``."""
+                   max_model_len: int, statuses: tuple[Any, Any, Any], cols: dict[int, Any],
+                   stopped_list: list[Any], columnar_type: type, emit_finished: Any,
+                   update_request: Any, failed: list[tuple[str, str]]) -> None:
+    """The plain-decode loop of ``Scheduler.update_from_output``: each plain decode two
+    appends to its client's ColumnarOutputs (``columnar_type``) in ``cols``."""
 
 def schedule_running(running: list[Any], in_flight: Any, token_budget: int, threshold: int,
                      max_len_1: int, kv: Any, req_to_blocks: dict[str, list[Any]],

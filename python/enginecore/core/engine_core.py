@@ -25,7 +25,6 @@ from enginecore.core.stat_logger import StatLogger
 from enginecore.executor.abstract import Executor, KVCacheConfig
 from enginecore.executor.factory import get_executor_class
 from enginecore.protocol import (
-    EngineCoreOutputs,
     EngineCoreRequest,
     LoRARequest,
     SchedulerStats,
@@ -33,6 +32,7 @@ from enginecore.protocol import (
     encode_request,
 )
 from enginecore.request import Request, RequestStatus
+from enginecore.sched.columnar_outputs import ColumnarOutputs
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 from enginecore.sched.scheduler import PauseState, Scheduler
 from enginecore.sched.structured_output import StructuredOutputError, StructuredOutputManager
@@ -50,7 +50,8 @@ WakeUpTag = Literal["weights", "kv_cache"]
 
 class EngineCore:
     """Inner loop of the engine: ``step()`` schedules, runs the model, and
-    turns sampled tokens into per-client ``EngineCoreOutputs``."""
+    turns sampled tokens into per-client outputs (``ColumnarOutputs``: columns with
+    the typed ``.outputs`` view; ``to_struct()`` gives the wire's EngineCoreOutputs)."""
 
     def __init__(
         self,
@@ -58,9 +59,7 @@ class EngineCore:
         executor_class: type[Executor] | None = None,
         log_stats: bool = False,
         executor_fail_callback: Any = None,
-        columnar_outputs: bool = False,
     ) -> None:
-        """``columnar_outputs``: the scheduler's step outputs as columns (see Scheduler)."""
         _native.set_native(config.use_native)
         self.config = config
         # One switch: the caller's flag or the config's (EngineArgs.log_stats) turns on
@@ -94,7 +93,6 @@ class EngineCore:
             log_stats=self.log_stats or config.log_iteration_details,
             log_iteration_details=config.log_iteration_details,
             track_in_flight=self.batch_queue is not None,
-            columnar_outputs=columnar_outputs,
             structured_output=self.structured_output,
         )
         self.stat_logger = StatLogger(
@@ -260,7 +258,7 @@ class EngineCore:
             self.abort_requests(ids)
 
     # -- stepping ------------------------------------------------------------------------
-    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+    def step(self) -> tuple[dict[int, ColumnarOutputs], bool]:
         """One schedule + execute + update. Returns (outputs per client, model ran)."""
         scheduler = self.scheduler
         if not scheduler.has_requests() or self.model_executor.is_sleeping:
@@ -282,7 +280,7 @@ class EngineCore:
             self.stat_logger.record(outputs, scheduler_output.total_num_scheduled_tokens)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+    def step_with_batch_queue(self) -> tuple[dict[int, ColumnarOutputs], bool]:
         """Keep up to ``max_concurrent_batches`` batches in flight: schedule and
         launch a new batch while the queue has room and the oldest is still
         running; otherwise block on the oldest and process its outputs."""

@@ -128,11 +128,8 @@ class EngineCoreProc(EngineIO, EngineCore):
     def _build(self, init: HandshakeInit, config, executor_class, log_stats) -> None:
         """The engine itself, once INIT is known (both start-up paths)."""
         self.client_count = len(init.output_addresses)
-        # Native path: step outputs stay columns and the output thread writes
-        # msgpack from them in C++ (serial.py); the Python path builds objects.
         super().__init__(config, executor_class, log_stats,
-                         executor_fail_callback=self._on_executor_failure,
-                         columnar_outputs=_native.native_available())
+                         executor_fail_callback=self._on_executor_failure)
         self._init_data_parallel(init)
 
     def _init_data_parallel(self, init: HandshakeInit) -> None:

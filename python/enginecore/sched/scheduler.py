@@ -65,13 +65,10 @@ class Scheduler(SchedulerUpdate):
         log_stats: bool = False,
         log_iteration_details: bool = False,
         track_in_flight: bool = False,
-        columnar_outputs: bool = False,
         structured_output: StructuredOutputManager | None = None,
     ) -> None:
-        """``columnar_outputs``: step outputs as ColumnarOutputs (the process engine on
-        the native path, whose output thread encodes columns natively) instead of one
-        EngineCoreOutput per request. ``structured_output``: the grammar manager
-        (None: a model without a tokenizer, or none asked for)."""
+        """``structured_output``: the grammar manager (None: the scheduler compiles
+        and checks no constraints)."""
         sc = config.scheduler_config
         self.config = config
         self.max_num_running_reqs = sc.max_num_seqs
@@ -108,7 +105,6 @@ class Scheduler(SchedulerUpdate):
         # Lockstep data parallel turns this off on steps off the prefill cadence.
         self.admit_new_prefills = True
         self.num_admitted = 0  # requests moved from waiting to running, ever
-        self.columnar_outputs = columnar_outputs
         self.structured_output = structured_output
         self.step_counter = 0
         self.num_preempted_total = 0
