@@ -52,6 +52,8 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
             raise UserError(f"two models given ({args.model_tag!r} and --model "
                             f"{args.model!r})")
         args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
     if args.api_server_count < 1:
         raise UserError("--api-server-count must be >= 1")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
@@ -158,14 +160,18 @@ def _serve_one(args: argparse.Namespace, engine_args: EngineArgs, t0: float) -> 
     async def main() -> None:
         from enginecore.frontend import AsyncLLM
 
-        engine = AsyncLLM.from_engine_args(engine_args, log_stats=engine_args.log_stats)
+        with user_errors():  # a bad model path or setting: one line, exit 2
+            engine = AsyncLLM.from_engine_args(engine_args, log_stats=engine_args.log_stats)
         try:
             await _serve_with(engine, args, process_capacity(args, engine_args), sock,
                               lambda: _announce(args, t0, "serving"))
         finally:
             engine.shutdown()
 
-    _run_async(main())
+    try:
+        _run_async(main())
+    finally:
+        sock.close()  # uvicorn closes its own copy; this one if the engine never started
     return 0
 
 
@@ -205,8 +211,17 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     from enginecore.frontend import AsyncLLM
 
     # (log_stats is the engines' setting too: the API servers' gauges need their stats)
-    engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1,
-                                       log_stats=engine_args.log_stats)
+    try:
+        with user_errors():
+            engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1,
+                                               log_stats=engine_args.log_stats)
+    except BaseException:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        for sock in socks:
+            sock.close()
+        raise
     spawn = multiprocessing.get_context("spawn")
     # What the API server processes get (the subcommand's function does not pickle).
     worker_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
