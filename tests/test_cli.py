@@ -147,6 +147,8 @@ def test_user_errors_are_one_line_and_exit_2(argv, says, capsys):
     assert code == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert says in err
+    # A serve that failed in this process leaves no metrics dir behind for later servers.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
 
 
 def run_main(argv: list[str]) -> int:

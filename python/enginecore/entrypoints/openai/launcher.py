@@ -201,6 +201,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     args.port = socks[0].getsockname()[1]
     # Before any API server process imports prometheus_client (they are spawned).
     metrics_dir = tempfile.mkdtemp(prefix="enginecore-metrics-")
+    previous_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     stop = {"signal": None}
 
@@ -219,6 +220,12 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
         for s, handler in previous.items():
             signal.signal(s, handler)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        # The directory is gone: nothing started in this process later may use it
+        # (in-process callers, e.g. the CLI tests, would hand it to every server after).
+        if previous_metrics_dir is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_metrics_dir
         for sock in socks:
             sock.close()
         raise
