@@ -88,7 +88,6 @@ def test_update_and_encode(benchmark, path, batch):
     benchmark.group = f"update_and_encode[{batch} decodes]"
     eng = decoding_engine(batch)
     scheduler = eng.scheduler
-    scheduler.columnar_outputs = path == "native"  # as EngineCoreProc sets it
     encoder = OutputEncoder()
 
     def next_step():  # schedule + model, not timed

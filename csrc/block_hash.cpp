@@ -165,7 +165,7 @@ void bind_block_hash(py::module_& m) {
     uint8_t out[32];
     sha256(reinterpret_cast<const uint8_t*>(s.data()), s.size(), out);
     return py::bytes(reinterpret_cast<char*>(out), 32);
-  }, "One-shot SHA-256 (for tests of the compression function).");
+  }, py::arg("data"), "One-shot SHA-256 (for tests of the compression function).");
   m.def("sha256_impl", &sha256_impl_name, "Which compression runs: 'sha-ni' or 'portable'.");
   m.def("sha256_force_portable", &sha256_force_portable, py::arg("force"),
         "Use the portable compression even where SHA-NI exists (tests).");

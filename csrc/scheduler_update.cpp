@@ -275,8 +275,7 @@ std::string describe(py::error_already_set& e) {
 void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index_of,
                 PyObject* sampled, PyObject* req_ids, Py_ssize_t num_answered,
                 PyObject* in_flight_set, long long max_model_len, PyObject* running,
-                PyObject* length, PyObject* stopped, PyObject* output_type,
-                PyObject* columnar_type, bool columnar, PyObject* outputs, PyObject* cols,
+                PyObject* length, PyObject* stopped, PyObject* columnar_type, PyObject* cols,
                 PyObject* stopped_list, PyObject* emit_finished, PyObject* update_request,
                 PyObject*& last, PyObject*& col_ids, PyObject*& col_toks) {
   Names& nm = names();
@@ -313,8 +312,7 @@ void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index
   if (n_new == 0) return;  // a prefill chunk: nothing sampled
   Ref grammar(get(req, nm.grammar));
   if (n_new != 1 || grammar.p != Py_None) {
-    Ref r(PyObject_CallFunctionObjArgs(update_request, req, rid, toks, Py_None,
-                                       outputs, columnar ? cols : Py_None,
+    Ref r(PyObject_CallFunctionObjArgs(update_request, req, rid, toks, Py_None, cols,
                                        stopped_list, nullptr));
     return;
   }
@@ -329,12 +327,11 @@ void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index
   extend_block_hashes(req, all_ids.p, n_all);
   if (check_stop(req, tok, n_out, n_all, max_model_len, length, stopped)) {
     append(stopped_list, req);
-    Ref r(PyObject_CallFunctionObjArgs(emit_finished, req, rid, toks, outputs,
-                                       columnar ? cols : Py_None, nullptr));
+    Ref r(PyObject_CallFunctionObjArgs(emit_finished, req, rid, toks, cols, nullptr));
     return;
   }
   Ref client(get(req, nm.client_index));
-  if (columnar) {
+  {
     int same = 0;
     if (last != nullptr) {
       same = PyObject_RichCompareBool(client.p, last, Py_EQ);
@@ -358,36 +355,19 @@ void update_one(PyObject* rid, Py_ssize_t k, PyObject* requests, PyObject* index
     }
     append(col_ids, rid);
     append(col_toks, toks);
-    return;
-  }
-  // EngineCoreOutput(rid, toks, None), then Scheduler._emit.
-  PyObject* args[3] = {rid, toks, Py_None};
-  Ref out(PyObject_Vectorcall(output_type, args, 3, nullptr));
-  PyObject* lst = PyDict_GetItemWithError(outputs, client.p);
-  if (lst == nullptr) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    Ref fresh(PyList_New(1));
-    Py_INCREF(out.p);
-    PyList_SET_ITEM(fresh.p, 0, out.p);
-    if (PyDict_SetItem(outputs, client.p, fresh.p) != 0) throw py::error_already_set();
-  } else {
-    append(lst, out.p);
   }
 }
 
 void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py::list req_ids,
                     py::dict index_of,
                     py::object in_flight, long long max_model_len, py::tuple statuses,
-                    py::dict outputs, py::object cols, py::list stopped_list, py::tuple types,
+                    py::dict cols, py::list stopped_list, py::object columnar_type,
                     py::object emit_finished, py::object update_request, py::list failed) {
   PyObject* running = statuses[0].ptr();
   PyObject* length = statuses[1].ptr();
   PyObject* stopped = statuses[2].ptr();
-  PyObject* output_type = types[0].ptr();
-  PyObject* columnar_type = types[1].ptr();
-  const bool columnar = !cols.is_none();
   PyObject* in_flight_set = in_flight.is_none() ? nullptr : in_flight.ptr();
-  // The current client's columns (columnar).
+  // The current client's columns.
   struct Holder {
     PyObject* p = nullptr;
     ~Holder() { Py_XDECREF(p); }
@@ -406,7 +386,7 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
     try {
       update_one(rid, k, requests.ptr(), index_of.ptr(), sampled.ptr(), req_ids.ptr(),
                  num_answered, in_flight_set, max_model_len, running, length, stopped,
-                 output_type, columnar_type, columnar, outputs.ptr(), cols.ptr(),
+                 columnar_type.ptr(), cols.ptr(),
                  stopped_list.ptr(), emit_finished.ptr(), update_request.ptr(), last.p, col_ids,
                  col_toks);
     } catch (py::error_already_set& e) {
@@ -599,11 +579,20 @@ py::tuple finish_running(py::list scheduled_running, py::dict num_scheduled_toke
 }  // namespace
 
 void bind_scheduler_update(py::module_& m) {
-  m.def("finish_running", &finish_running,
+  m.def("finish_running", &finish_running, py::arg("scheduled_running"),
+        py::arg("num_scheduled_tokens"),
         "Scheduler._finish_running: ids, computed counts, grammar flag; counts advanced.");
-  m.def("update_decodes", &update_decodes,
+  m.def("update_decodes", &update_decodes, py::arg("requests"), py::arg("scheduled"),
+        py::arg("sampled"), py::arg("req_ids"), py::arg("index_of"), py::arg("in_flight"),
+        py::arg("max_model_len"), py::arg("statuses"), py::arg("cols"),
+        py::arg("stopped_list"), py::arg("columnar_type"), py::arg("emit_finished"),
+        py::arg("update_request"), py::arg("failed"),
         "The plain-decode loop of Scheduler.update_from_output (see scheduler.py).");
-  m.def("schedule_running", &schedule_running,
+  m.def("schedule_running", &schedule_running, py::arg("running"), py::arg("in_flight"),
+        py::arg("token_budget"), py::arg("threshold"), py::arg("max_len_1"), py::arg("kv"),
+        py::arg("req_to_blocks"), py::arg("num_cached_blocks"), py::arg("block_size"),
+        py::arg("enable_caching"), py::arg("block_pool"), py::arg("scheduled_running"),
+        py::arg("running_new_blocks"), py::arg("num_scheduled_tokens"),
         "The common-case prefix of Scheduler.schedule()'s running loop (see scheduler.py).");
 }
 

@@ -139,7 +139,7 @@ def send_one(rng, fronts, reqs, live, res, n) -> None:
     elif roll < 0.09:  # sent raw: the engine answers ERROR
         kind = "malformed"
         payload = msgspec.msgpack.encode([rid, prompt, [2**63]])
-        c._register(EngineCoreRequest(rid, [1]))
+        c.router.register(EngineCoreRequest(rid, [1]))
         c._send([c.identity, EngineCoreRequestType.ADD.value, payload])
     res.requests += 1
     reqs[(f, rid)] = dict(prompt=prompt, seed=seed, max_tokens=max_tokens, tokens=[],

@@ -147,6 +147,8 @@ def test_user_errors_are_one_line_and_exit_2(argv, says, capsys):
     assert code == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert says in err
+    # A serve that failed in this process leaves no metrics dir behind for later servers.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
 
 
 def run_main(argv: list[str]) -> int:
@@ -280,14 +282,14 @@ def test_headless_without_the_front_ends_keys_is_one_line(tmp_path, capsys):
 _CLIENT_SCRIPT = """
 import sys
 from enginecore import EngineArgs, EngineCoreRequest, SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 if __name__ == "__main__":
     client = None
     print("starting", flush=True)
     try:
         cfg = EngineArgs(model="synthetic", synthetic_step_latency_s=0.005,
                          data_parallel_size=int(sys.argv[1])).create_engine_config()
-        client = EngineCoreClient.make_client(True, False, cfg)
+        client = make_client(True, False, cfg)
         client.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(
             max_tokens=1_000_000, ignore_eos=True)))
         print("generating", flush=True)

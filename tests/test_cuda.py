@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 from enginecore.client.sockets import rank_devices
 
 from helpers import run_to_completion
@@ -106,7 +106,7 @@ def test_dp_ranks_get_their_own_device(tiny, cuda_device, monkeypatch):
     elif count > 1:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = EngineArgs(**args(model_dir, cuda_device, data_parallel_size=2)).create_engine_config()
-    c = EngineCoreClient.make_client(True, False, cfg)
+    c = make_client(True, False, cfg)
     try:
         infos = [c.call_utility_on(e, "collective_rpc", "device_info", timeout=60)[0]
                  for e in range(2)]

@@ -14,7 +14,7 @@ import pytest
 
 from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
 from enginecore import SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 from enginecore.client.sockets import rank_devices
 
 from helpers import run_to_completion, synthetic_engine
@@ -65,7 +65,7 @@ def config(dp=2, **kw):
 
 
 def test_dp2_same_tokens_fair_share_nothing_left(hot_path):
-    c = EngineCoreClient.make_client(True, False, config(synthetic_step_latency_s=0.002))
+    c = make_client(True, False, config(synthetic_step_latency_s=0.002))
     try:
         assert len(c.procs) == 2
         for r in reqs():
@@ -73,7 +73,7 @@ def test_dp2_same_tokens_fair_share_nothing_left(hot_path):
         got, served = drain_by_rank(c)
         assert got == reference()
         assert min(served) >= 0.4 * N, served
-        assert c._load == [0, 0] and not c._live
+        assert c.router.load == [0, 0] and not c.router.live
         assert c.call_utility("get_request_counts") == (0, 0)
     finally:
         c.shutdown()
@@ -82,7 +82,7 @@ def test_dp2_same_tokens_fair_share_nothing_left(hot_path):
 
 def test_dp2_asyncio_and_pause_abort_on_every_rank():
     async def main():
-        c = EngineCoreClient.make_client(True, True, config(synthetic_step_latency_s=0.01))
+        c = make_client(True, True, config(synthetic_step_latency_s=0.01))
         try:
             for i in range(10):
                 await c.add_request_async(EngineCoreRequest(
@@ -106,7 +106,7 @@ def test_dp2_asyncio_and_pause_abort_on_every_rank():
 
 
 def test_killing_one_rank_is_engine_dead_fast_and_nothing_hangs():
-    c = EngineCoreClient.make_client(True, False, config(synthetic_step_latency_s=0.01))
+    c = make_client(True, False, config(synthetic_step_latency_s=0.01))
     try:
         for i in range(4):
             c.add_request(EngineCoreRequest(f"k{i}", [1, i], SamplingParams(max_tokens=10**4,
@@ -134,7 +134,7 @@ def test_real_tiny_model_dp2(tmp_path):
     for r in requests:
         eng.add_request(r)
     expected = {k: v["tokens"] for k, v in run_to_completion(eng).items()}
-    c = EngineCoreClient.make_client(True, False, cfg)
+    c = make_client(True, False, cfg)
     try:
         for r in requests:
             c.add_request(r)
@@ -162,7 +162,7 @@ def test_ranks_must_fit_the_visible_devices(monkeypatch):
 
 def test_unsupported_dp_settings_are_clear_errors():
     with pytest.raises(ValueError, match="multiprocess_mode"):
-        EngineCoreClient.make_client(False, False, config())
+        make_client(False, False, config())
     with pytest.raises(ValueError, match="data_parallel_backend"):
         EngineArgs(model="synthetic", data_parallel_backend="slurm").create_engine_config()
 
@@ -191,7 +191,7 @@ def test_headless_rank_joins_a_front_end_on_loopback():
         cfg = EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
                          data_parallel_size_local=1,
                          data_parallel_rpc_port=port).create_engine_config()
-        c = EngineCoreClient.make_client(True, False, cfg, handshake_timeout_s=60)
+        c = make_client(True, False, cfg, handshake_timeout_s=60)
         try:
             assert len(c.procs) == 1 and c.input_address.startswith("tcp://127.0.0.1:")
             for r in reqs():
@@ -219,7 +219,7 @@ def test_external_lb_each_front_end_talks_to_its_own_rank():
             cfg = EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
                              data_parallel_rank=rank,
                              data_parallel_external_lb=True).create_engine_config()
-            clients.append(EngineCoreClient.make_client(True, False, cfg))
+            clients.append(make_client(True, False, cfg))
         for rank, c in enumerate(clients):
             assert c.ranks == [rank] and len(c.procs) == 1
             for i in range(5):
@@ -268,7 +268,7 @@ def test_headless_rank_death_and_front_end_death_are_noticed():
         cfg = EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
                          data_parallel_size_local=1, synthetic_step_latency_s=0.01,
                          data_parallel_rpc_port=port).create_engine_config()
-        return EngineCoreClient.make_client(True, False, cfg, handshake_timeout_s=60)
+        return make_client(True, False, cfg, handshake_timeout_s=60)
 
     port = free_port()
     headless = start_headless(port)

@@ -13,7 +13,7 @@ import pytest
 
 from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
 from enginecore import SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 from enginecore.core.dp_coordinator import DPCoordinator
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -57,7 +57,7 @@ def test_lockstep_is_the_default_for_moe_only():
 
 
 def test_lockstep_dp2_same_tokens_fair_share_and_the_wave_ends(hot_path):
-    c = EngineCoreClient.make_client(True, False, lockstep_config(
+    c = make_client(True, False, lockstep_config(
         synthetic_step_latency_s=0.001, synthetic_moe=True, data_parallel_lockstep=None))
     try:
         for r in reqs():
@@ -67,16 +67,16 @@ def test_lockstep_dp2_same_tokens_fair_share_and_the_wave_ends(hot_path):
         assert got == reference()
         assert min(served) >= 0.4 * N, served
         # The wave ends (the coordinator hears it) within 5 s of the last finish ...
-        assert wait_for(lambda: not c._link.engines_running, timeout=5)
+        assert wait_for(lambda: not c.router.link.engines_running, timeout=5)
         assert time.monotonic() - finished_at < 5
         # ... and both ranks stopped stepping, in the same wave, with nothing in flight.
         first = dp_states(c)
         time.sleep(0.3)
         second = dp_states(c)
         assert first == second
-        assert {s["current_wave"] for s in second} == {c._link.current_wave}
+        assert {s["current_wave"] for s in second} == {c.router.link.current_wave}
         assert not any(s["engines_running"] for s in second)
-        assert c._load == [0, 0] and not c._live
+        assert c.router.load == [0, 0] and not c.router.live
         assert c.call_utility("get_request_counts") == (0, 0)
     finally:
         c.shutdown()
@@ -85,7 +85,7 @@ def test_lockstep_dp2_same_tokens_fair_share_and_the_wave_ends(hot_path):
 
 
 def test_one_request_on_one_rank_wakes_the_other():
-    c = EngineCoreClient.make_client(True, False, lockstep_config())
+    c = make_client(True, False, lockstep_config())
     try:
         before = dp_states(c)
         assert [s["num_dummy_batches"] for s in before] == [0, 0]
@@ -95,7 +95,7 @@ def test_one_request_on_one_rank_wakes_the_other():
         while not done:
             for o in c.get_output(timeout=10).outputs:
                 done = o.finish_reason is not None
-        assert wait_for(lambda: not c._link.engines_running)
+        assert wait_for(lambda: not c.router.link.engines_running)
         after = dp_states(c)
         # Rank 1 had nothing: it ran dummy batches until the all-reduce agreed;
         # rank 0 ran its 4 steps and dummies for the rest of the 32-step window.
@@ -105,7 +105,7 @@ def test_one_request_on_one_rank_wakes_the_other():
         assert dummies[1] % 32 == 0 and dummies[0] + 4 == dummies[1], dummies
         waves = dummies[1] // 32
         assert after[0]["current_wave"] == after[1]["current_wave"] == waves
-        assert c._link.current_wave == waves
+        assert c.router.link.current_wave == waves
     finally:
         c.shutdown()
 
@@ -116,12 +116,12 @@ def send_start_wave(c, engine: int, wave: int, exclude: int = -1) -> None:
 
 
 def test_stale_start_wave_is_ignored_and_a_later_one_is_adopted_by_all():
-    c = EngineCoreClient.make_client(True, False, lockstep_config())
+    c = make_client(True, False, lockstep_config())
     try:
         c.add_request(EngineCoreRequest("w", [1, 2], SamplingParams(max_tokens=2)))
         while not any(o.finish_reason is not None for o in c.get_output(timeout=10).outputs):
             pass
-        assert wait_for(lambda: not c._link.engines_running)
+        assert wait_for(lambda: not c.router.link.engines_running)
         assert [s["current_wave"] for s in dp_states(c)] == [1, 1]
         for e in range(2):  # stale, and the sender's own index: nothing happens
             send_start_wave(c, e, 0)
@@ -134,7 +134,7 @@ def test_stale_start_wave_is_ignored_and_a_later_one_is_adopted_by_all():
         for e in range(2):
             send_start_wave(c, e, 7)
         assert wait_for(lambda: [s["current_wave"] for s in dp_states(c)] == [8, 8])
-        assert wait_for(lambda: c._link.current_wave == 8)  # rank 0 told the coordinator
+        assert wait_for(lambda: c.router.link.current_wave == 8)  # rank 0 told the coordinator
         # Requests still run; the front-end stamps the new wave.
         c.add_request(EngineCoreRequest("w2", [3, 4], SamplingParams(max_tokens=2)))
         while not any(o.finish_reason is not None for o in c.get_output(timeout=10).outputs):
@@ -173,7 +173,7 @@ def test_coordinator_wave_rules():
 def test_pause_abort_staggered_pauses_and_requests_while_paused():
     async def main():
         cfg = lockstep_config(synthetic_step_latency_s=0.002)
-        a = EngineCoreClient.make_client(True, True, cfg, client_count=2)
+        a = make_client(True, True, cfg, client_count=2)
         b = a.attach(1)
         try:
             for i in range(10):
@@ -228,7 +228,7 @@ def test_pause_abort_staggered_pauses_and_requests_while_paused():
 
 
 def test_staggered_barriers_pair_up():
-    c = EngineCoreClient.make_client(True, False, lockstep_config())
+    c = make_client(True, False, lockstep_config())
     try:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -253,7 +253,7 @@ def test_staggered_barriers_pair_up():
 def test_prefill_throttling_admits_on_cadence_steps(interval):
     # Two running slots per rank: queued requests are admitted as others finish
     # (after 3-7 tokens), i.e. on all sorts of steps unless throttled.
-    c = EngineCoreClient.make_client(True, False, lockstep_config(
+    c = make_client(True, False, lockstep_config(
         prefill_schedule_interval=interval, max_num_seqs=2, synthetic_step_latency_s=0.001))
     try:
         for i in range(40):
@@ -270,7 +270,7 @@ def test_prefill_throttling_admits_on_cadence_steps(interval):
 
 
 def test_killing_a_lockstep_rank_is_engine_dead_fast_and_nothing_hangs():
-    c = EngineCoreClient.make_client(True, False, lockstep_config(synthetic_step_latency_s=0.005))
+    c = make_client(True, False, lockstep_config(synthetic_step_latency_s=0.005))
     try:
         for i in range(4):
             c.add_request(EngineCoreRequest(f"k{i}", [1, i], SamplingParams(
@@ -291,7 +291,7 @@ def test_killing_a_lockstep_rank_is_engine_dead_fast_and_nothing_hangs():
 
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
-    c = EngineCoreClient.make_client(True, False, lockstep_config(
+    c = make_client(True, False, lockstep_config(
         data_parallel_lockstep=lockstep, synthetic_step_latency_s=0.002))
     expected = {f"e{i}": 30 + i % 7 for i in range(90)}
     got: dict[str, list[int]] = {}
@@ -334,7 +334,7 @@ def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
         assert set(finished.values()) == {FinishReason.LENGTH}
         assert {k: len(v) for k, v in got.items()} == expected
         assert [s["data_parallel_size"] for s in dp_states(c)] == [2, 2]
-        assert c._load == [0, 0] and not c._live
+        assert c.router.load == [0, 0] and not c.router.live
     finally:
         c.shutdown()
     assert not any(p.is_alive() for p in c.procs)
@@ -342,7 +342,7 @@ def test_scale_2_to_3_to_2_while_serving_loses_nothing(lockstep):
 
 def test_async_scale_2_to_3_to_2_while_serving():
     async def main():
-        c = EngineCoreClient.make_client(True, True, lockstep_config(
+        c = make_client(True, True, lockstep_config(
             synthetic_step_latency_s=0.002))
         expected = {f"a{i}": 20 + i % 5 for i in range(60)}
         got: dict[str, int] = {}
@@ -371,7 +371,7 @@ def test_async_scale_2_to_3_to_2_while_serving():
             await submit(40, 60)
             await asyncio.wait_for(collector, 60)
             assert got == expected and 2 in ranks
-            assert c._load == [0, 0] and not c._live
+            assert c.router.load == [0, 0] and not c.router.live
         finally:
             c.shutdown()
 

@@ -11,7 +11,7 @@ import ray
 
 from enginecore import EngineArgs, EngineCoreRequest, FinishReason
 from enginecore import SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 
 from test_data_parallel import N, drain_by_rank, kill_and_expect_dead, reference, reqs
 from test_dp_lockstep import dp_states, wait_for
@@ -31,7 +31,7 @@ def ray_config(**kw):
 
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
-    c = EngineCoreClient.make_client(True, False, ray_config(
+    c = make_client(True, False, ray_config(
         data_parallel_lockstep=lockstep, synthetic_step_latency_s=0.001))
     alive_at_close = []
     close_sockets = c._close_sockets
@@ -51,11 +51,11 @@ def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
         assert got == reference()
         assert min(served) >= 0.4 * N, served
         if lockstep:
-            assert wait_for(lambda: not c._link.engines_running)
+            assert wait_for(lambda: not c.router.link.engines_running)
             states = dp_states(c)
             assert len({s["current_wave"] for s in states}) == 1
             assert not any(s["engines_running"] for s in states)
-        assert c._load == [0, 0] and not c._live
+        assert c.router.load == [0, 0] and not c.router.live
         assert c.call_utility("get_request_counts") == (0, 0)
     finally:
         c.shutdown()
@@ -80,7 +80,7 @@ def test_ray_tiny_real_model_dp2(tmp_path):
     for r in requests:
         eng.add_request(r)
     expected = {k: v["tokens"] for k, v in run_to_completion(eng).items()}
-    c = EngineCoreClient.make_client(True, False, EngineArgs(
+    c = make_client(True, False, EngineArgs(
         **common, data_parallel_size=2, data_parallel_backend="ray").create_engine_config())
     try:
         for r in requests:
@@ -92,7 +92,7 @@ def test_ray_tiny_real_model_dp2(tmp_path):
 
 
 def test_killing_a_ray_rank_is_engine_dead_fast():
-    c = EngineCoreClient.make_client(True, False, ray_config(
+    c = make_client(True, False, ray_config(
         data_parallel_lockstep=True, synthetic_step_latency_s=0.005))
     try:
         for i in range(4):
@@ -105,7 +105,7 @@ def test_killing_a_ray_rank_is_engine_dead_fast():
 
 
 def test_ray_pause_abort_on_every_rank_and_resume():
-    c = EngineCoreClient.make_client(True, False, ray_config(
+    c = make_client(True, False, ray_config(
         data_parallel_lockstep=True, synthetic_step_latency_s=0.005))
     try:
         for i in range(6):
@@ -130,7 +130,7 @@ def test_ray_pause_abort_on_every_rank_and_resume():
 
 
 def test_ray_scale_2_to_3_to_2_while_serving():
-    c = EngineCoreClient.make_client(True, False, ray_config(
+    c = make_client(True, False, ray_config(
         data_parallel_lockstep=True, synthetic_step_latency_s=0.002))
     expected = {f"s{i}": 20 + i % 5 for i in range(45)}
     got: dict[str, int] = {}
@@ -178,7 +178,7 @@ def test_ray_scale_down_not_a_death_when_the_watcher_lags(monkeypatch):
         return done, rest
 
     monkeypatch.setattr(ray, "wait", lagging_wait)
-    c = EngineCoreClient.make_client(True, False, ray_config(data_parallel_lockstep=True))
+    c = make_client(True, False, ray_config(data_parallel_lockstep=True))
     try:
         c.scale_elastic_ep(1)
         assert c.num_engines == 1 and len(c._ray.actors) == 1

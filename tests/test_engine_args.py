@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from enginecore import EngineArgs, EngineCore, SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 from enginecore.config_aliases import ALIASES
 from enginecore.executor import SyntheticExecutor
 from enginecore.protocol import EngineCoreRequest
@@ -218,7 +218,7 @@ def test_multiprocess_engine_sends_stats_and_logs_the_line(capfd, hot_path):
     """Through the process boundary: the front-end gets SchedulerStats with no
     log_stats argument anywhere but EngineArgs, and the engine process logs."""
     config = EngineArgs(model="synthetic", block_size=4, log_stats=True).create_engine_config()
-    client = EngineCoreClient.make_client(True, False, config)
+    client = make_client(True, False, config)
     try:
         client.add_request(EngineCoreRequest("r", [1, 2, 3, 4, 5],
                                              SamplingParams(max_tokens=3, ignore_eos=True)))

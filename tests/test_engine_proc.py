@@ -21,7 +21,8 @@ from enginecore import (
     LoRARequest,
     SamplingParams,
 )
-from enginecore.client import EngineCoreClient, SyncMPClient
+from enginecore.client import SyncMPClient, make_client
+from enginecore.client.utility_calls import PendingCall
 from enginecore.protocol import EngineCoreRequestType, SchedulerStats, UtilityRequest
 
 from helpers import run_to_completion, synthetic_engine
@@ -66,7 +67,7 @@ def drain(client, want: set[str], timeout=30.0):
 
 @pytest.fixture
 def client(hot_path):
-    c = EngineCoreClient.make_client(True, False, synthetic_config())
+    c = make_client(True, False, synthetic_config())
     yield c
     c.shutdown()
     assert not c.proc.is_alive()
@@ -81,7 +82,7 @@ def test_200_concurrent_sync_same_as_inprocess(client):
 
 def test_200_concurrent_asyncio_same_as_inprocess(hot_path):
     async def main():
-        c = EngineCoreClient.make_client(True, True, synthetic_config())
+        c = make_client(True, True, synthetic_config())
         try:
             await asyncio.gather(*(c.add_request_async(r) for r in requests()))
             got: dict[str, list[int]] = {}
@@ -100,7 +101,7 @@ def test_200_concurrent_asyncio_same_as_inprocess(hot_path):
 
 
 def test_abort_every_other_in_flight(hot_path):
-    c = EngineCoreClient.make_client(True, False, synthetic_config(synthetic_step_latency_s=0.01))
+    c = make_client(True, False, synthetic_config(synthetic_step_latency_s=0.01))
     try:
         reqs = requests(20, max_tokens=200)
         for r in reqs:
@@ -136,7 +137,8 @@ def test_utility_calls_values_failures_and_allow_list(client):
     # Straight at the engine, bypassing the client's own check: refused there too.
     payload = msgspec.msgpack.encode(UtilityRequest(0, 777, "run_busy_loop", []))
     fut = __import__("concurrent.futures").futures.Future()
-    client._pending[777] = ["echo", fut, 1, None, None, 0]  # before the reply can arrive
+    # Registered before the reply can arrive.
+    client.pending_calls.add(777, PendingCall("echo", fut, replies_due=1, answering_rank=0))
     client.input_socket.send_multipart([client.identity, EngineCoreRequestType.UTILITY.value,
                                         payload])
     with pytest.raises(RuntimeError, match="not allowed"):
@@ -147,7 +149,7 @@ def test_utility_calls_values_failures_and_allow_list(client):
 
 @pytest.fixture
 def slow_client(hot_path):
-    c = EngineCoreClient.make_client(True, False, synthetic_config(synthetic_step_latency_s=0.005))
+    c = make_client(True, False, synthetic_config(synthetic_step_latency_s=0.005))
     yield c
     c.shutdown()
 
@@ -182,7 +184,7 @@ def test_pause_resume_sleep_wake_reset_through_client(slow_client):
 
 
 def test_executor_failure_is_engine_dead_fast():
-    c = EngineCoreClient.make_client(True, False, synthetic_config(), FailAfterExecutor)
+    c = make_client(True, False, synthetic_config(), FailAfterExecutor)
     try:
         c.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(max_tokens=100)))
         t0 = time.monotonic()
@@ -203,7 +205,7 @@ def test_executor_failure_is_engine_dead_fast():
 @pytest.mark.parametrize("mode", ["sync", "asyncio"])
 def test_kill_9_is_engine_dead_fast(mode):
     if mode == "sync":
-        c = EngineCoreClient.make_client(True, False, synthetic_config(
+        c = make_client(True, False, synthetic_config(
             synthetic_step_latency_s=0.01))
         c.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(max_tokens=10**5)))
         c.get_output(timeout=5)
@@ -217,7 +219,7 @@ def test_kill_9_is_engine_dead_fast(mode):
         return
 
     async def main():
-        c = EngineCoreClient.make_client(True, True, synthetic_config(
+        c = make_client(True, True, synthetic_config(
             synthetic_step_latency_s=0.01))
         try:
             await c.add_request_async(EngineCoreRequest("x", [1], SamplingParams(max_tokens=10**5)))
@@ -242,9 +244,9 @@ def test_killing_the_parent_reaps_the_engine(tmp_path):
     script.write_text(textwrap.dedent("""
         import sys, time
         from enginecore import EngineArgs
-        from enginecore.client import EngineCoreClient
+        from enginecore.client import make_client
         if __name__ == "__main__":
-            c = EngineCoreClient.make_client(
+            c = make_client(
                 True, False, EngineArgs(model="synthetic").create_engine_config())
             print(c.proc.pid, flush=True)
             time.sleep(600)
@@ -395,7 +397,7 @@ def test_real_tiny_model_through_the_process(tiny_model_dir, asyncio_mode):
     expected = {k: v["tokens"] for k, v in run_to_completion(eng).items()}
     eng.shutdown()
     if not asyncio_mode:
-        c = EngineCoreClient.make_client(True, False, cfg)
+        c = make_client(True, False, cfg)
         try:
             for r in reqs:
                 c.add_request(r)
@@ -406,7 +408,7 @@ def test_real_tiny_model_through_the_process(tiny_model_dir, asyncio_mode):
         return
 
     async def main():
-        c = EngineCoreClient.make_client(True, True, cfg)
+        c = make_client(True, True, cfg)
         try:
             for r in reqs:
                 await c.add_request_async(r)

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from enginecore import EngineArgs, EngineCoreRequest, FinishReason, SamplingParams
-from enginecore.client import EngineCoreClient, SyncMPClient
+from enginecore.client import SyncMPClient, make_client
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -163,7 +163,7 @@ def test_a_front_end_that_exits_without_shutdown_removes_its_socket_dir(tmp_path
 def test_dp_coordinator_stop_loses_nothing_and_its_death_is_engine_dead():
     cfg = EngineArgs(model="synthetic", block_size=4, data_parallel_size=2,
                      synthetic_step_latency_s=0.005).create_engine_config()
-    c = EngineCoreClient.make_client(True, False, cfg)
+    c = make_client(True, False, cfg)
     try:
         reqs = [EngineCoreRequest(f"d{i}", [i + 1, 3], SamplingParams(max_tokens=300, seed=i))
                 for i in range(6)]
@@ -320,7 +320,7 @@ def test_another_user_cannot_join_the_headless_handshake_as_a_rank(tmp_path):
 
     def start():
         try:
-            box["client"] = EngineCoreClient.make_client(True, False, cfg, handshake_timeout_s=60)
+            box["client"] = make_client(True, False, cfg, handshake_timeout_s=60)
         except BaseException as e:  # noqa: BLE001
             box["error"] = e
 

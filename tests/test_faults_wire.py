@@ -27,7 +27,8 @@ from enginecore import (
     SamplingParams,
 )
 from enginecore import _native
-from enginecore.client import EngineCoreClient, SyncMPClient
+from enginecore.client import SyncMPClient, make_client
+from enginecore.client.utility_calls import PendingCall
 from enginecore.protocol import EngineCoreRequestType, UtilityRequest, readable_request_id
 from enginecore.sampling_params import StructuredOutputsParams
 
@@ -72,14 +73,14 @@ def drain(client, want: set[str], timeout=20.0) -> dict[str, dict]:
 def serves(client, rid="probe") -> None:
     client.add_request(make_request(rid, [1, 2, 3], max_tokens=3, seed=1))
     assert drain(client, {rid})[rid]["finish_reason"] is FinishReason.LENGTH
-    assert client.proc.is_alive() and rid not in client._live
+    assert client.proc.is_alive() and rid not in client.router.live
 
 
 def send_raw(client, payload: bytes, rid: str | None = None) -> None:
     """An ADD straight onto the wire (what a buggy or hostile front-end could send),
     the id tracked as live as the client would."""
     if rid is not None:
-        client._register(EngineCoreRequest(rid, [1]))
+        client.router.register(EngineCoreRequest(rid, [1]))
     client._send([client.identity, ADD, payload])
 
 
@@ -100,7 +101,7 @@ def test_bounds_hold_at_construction_decode_and_send(client):
     send_raw(client, raw, "w")
     got = drain(client, {"w"})["w"]
     assert got["finish_reason"] is FinishReason.ERROR and "max_tokens" in got["stop_reason"]
-    assert got["finishes"] == 1 and "w" not in client._live
+    assert got["finishes"] == 1 and "w" not in client.router.live
     # The largest int64 is served (to max_model_len) on both paths.
     client.add_request(EngineCoreRequest("m", [1, 2], SamplingParams(max_tokens=big - 1)))
     got = drain(client, {"m"})["m"]
@@ -126,7 +127,7 @@ def test_client_refuses_before_sending_and_frees_the_id(client, make):
     req = make()
     with pytest.raises((ValueError, TypeError)):
         client.add_request(req)
-    assert not client._live
+    assert not client.router.live
     serves(client)
 
 
@@ -157,7 +158,7 @@ def test_engine_answers_a_malformed_add_with_error_to_its_sender(client, payload
     got = drain(client, {"e1"})["e1"]
     assert got["finish_reason"] is FinishReason.ERROR and got["finishes"] == 1
     assert got["stop_reason"].startswith("malformed request: EngineCoreRequest")
-    assert "e1" not in client._live
+    assert "e1" not in client.router.live
     serves(client)
 
 
@@ -201,7 +202,7 @@ def test_sync_reader_drops_bad_frames(client):
 
 def test_asyncio_reader_drops_bad_frames(hot_path):
     async def main():
-        c = EngineCoreClient.make_client(True, True, cfg())
+        c = make_client(True, True, cfg())
         ctx, push = push_to(c.output_address)
         try:
             await c.call_utility_async("echo", 1)  # the reader task runs
@@ -274,18 +275,18 @@ def test_fuzz_front_end_to_engine(client):
         n = len(sent)
         payload = payload.replace(b"fz", f"{n:02d}"[-2:].encode()) if kind == b"\x00" else payload
         rid = readable_request_id(payload) if kind == b"\x00" else None
-        if rid is not None and (rid in sent or rid in client._live or rid.startswith("\x00")):
+        if rid is not None and (rid in sent or rid in client.router.live or rid.startswith("\x00")):
             return
         if rid is not None:
             sent[rid] = n
-            client._register(EngineCoreRequest(rid, [1]))
+            client.router.register(EngineCoreRequest(rid, [1]))
         client._send([client.identity, kind, payload])
 
     fuzz()
     got = drain(client, set(sent), timeout=30)
     assert all(got[rid]["finishes"] == 1 for rid in sent), {
         rid: got[rid]["finishes"] for rid in sent if got[rid]["finishes"] != 1}
-    assert not client._live
+    assert not client.router.live
     serves(client)
 
 
@@ -354,7 +355,7 @@ def test_front_ends_have_their_own_request_ids_and_aborts(hot_path):
         # A utility call that claims to come from front-end 0 is answered to its sender.
         raw = msgspec.msgpack.encode(UtilityRequest(0, 4242, "echo", ["theirs"]))
         fut = concurrent.futures.Future()
-        second._pending[4242] = ["echo", fut, 1, None, None, 0]
+        second.pending_calls.add(4242, PendingCall("echo", fut, replies_due=1, answering_rank=0))
         second._send([second.identity, EngineCoreRequestType.UTILITY.value, raw])
         assert fut.result(timeout=10) == "theirs"
         time.sleep(0.1)
@@ -406,7 +407,7 @@ def test_shutdown_wakes_a_blocked_get_output(hot_path, mode):
         return
 
     async def main():
-        c = EngineCoreClient.make_client(True, True, cfg())
+        c = make_client(True, True, cfg())
         waiter = asyncio.ensure_future(c.get_output_async())
         call = asyncio.ensure_future(c.call_utility_async("echo", 1))
         await call
@@ -426,7 +427,7 @@ def test_message_caps_refuse_large_requests_and_split_large_outputs(hot_path):
     try:
         with pytest.raises(ValueError, match="message cap"):
             c.add_request(make_request("huge", list(range(1, 2000)), max_tokens=2))
-        assert not c._live
+        assert not c.router.live
         n = 40  # ~40 x 300 bytes of logprobs per step: over 4 KiB, split per output
         for i in range(n):
             c.add_request(EngineCoreRequest(f"q{i}", [i + 1, 2], SamplingParams(

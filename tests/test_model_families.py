@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
-from enginecore.client import EngineCoreClient
+from enginecore.client import make_client
 
 from helpers import run_to_completion
 from test_model_llama import PROMPTS, engine_tokens
@@ -103,7 +103,7 @@ def test_moe_is_detected_and_dp2_lockstep_gives_dp1_tokens(family_model, hot_pat
 
     cfg = EngineArgs(**args, data_parallel_size=2).create_engine_config()
     assert cfg.model_config.is_moe and cfg.parallel_config.data_parallel_lockstep
-    c = EngineCoreClient.make_client(True, False, cfg)
+    c = make_client(True, False, cfg)
     try:
         for rid, p in prompts.items():
             c.add_request(EngineCoreRequest(rid, p, params))

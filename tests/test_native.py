@@ -3,12 +3,15 @@ blocking queue, whole engine runs, and the GIL while the engine waits."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import os
 import queue
 import threading
 import time
 from array import array
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,13 +19,46 @@ from hypothesis import strategies as st
 
 from enginecore import _native
 from enginecore.blocking_queue import PyBlockingQueue, make_blocking_queue
-from enginecore.executor.synthetic import sample_py
+from enginecore.executor.synthetic import synthetic_sample_py
 from enginecore.sched.block_hash import block_hashes_py, encode_extra_keys
 
 from helpers import make_request, synthetic_engine
 
 C = _native._ext
 pytestmark = pytest.mark.skipif(C is None, reason="native extension not built")
+
+
+STUB = Path(__file__).resolve().parent.parent / "python" / "enginecore" / "_C.pyi"
+
+
+def _stub_functions(body: list[ast.stmt]) -> dict[str, list[str]]:
+    """name -> parameter names of the stub's functions (``self`` left out)."""
+    return {node.name: [a.arg for a in node.args.args if a.arg != "self"]
+            for node in body if isinstance(node, ast.FunctionDef)}
+
+
+def _native_params(fn) -> list[str]:
+    """Parameter names from pybind11's signature line: ``name(a: int, b: object) -> x``."""
+    head = fn.__doc__.splitlines()[0]
+    inside = head[head.index("(") + 1: head.rindex(")")]
+    return [p.split(":")[0].strip() for p in inside.split(",")
+            if p.strip() and p.split(":")[0].strip() != "self"]
+
+
+def test_stub_names_every_export_of_the_extension():
+    tree = ast.parse(STUB.read_text())
+    functions = _stub_functions(tree.body)
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    public = {name for name in dir(C) if not name.startswith("_")}
+    assert set(functions) | set(classes) == public
+    for name, params in functions.items():
+        assert params == _native_params(getattr(C, name)), name
+    for name, node in classes.items():
+        native = getattr(C, name)
+        members = set(_stub_functions(node.body)) - {"__init__"}
+        assert members == {m for m in vars(native) if not m.startswith("_")
+                           or m in ("__len__", "__bool__")}, name
+        assert inspect.isclass(native)
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -250,7 +286,8 @@ def test_native_synthetic_sampler_equals_python_twin(data, num, vocab):
         order = data.draw(st.permutations(rids))
         scheduled = {r: scheduled[r] for r in order}
     py_state = {r: list(s) for r, s in state.items()}
-    want = sample_py(scheduled, spec, py_state, cached_ids, cached_computed, new_computed, vocab)
+    want = synthetic_sample_py(scheduled, spec, py_state, cached_ids, cached_computed,
+                               new_computed, vocab)
     got = C.synthetic_sample(scheduled, spec, state, cached_ids, cached_computed, new_computed,
                              vocab)
     assert got == want and state == py_state

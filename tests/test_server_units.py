@@ -11,8 +11,8 @@ import pytest
 from enginecore.entrypoints.cli import build_parser
 from enginecore.entrypoints.cli_common import UserError
 from enginecore.entrypoints.openai.admission import Admission
-from enginecore.entrypoints.openai.cli_args import engine_args_of, process_capacity
 from enginecore.entrypoints.openai.errors import APIError
+from enginecore.entrypoints.openai.launcher import engine_args_of, process_capacity
 from enginecore.entrypoints.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
 from enginecore.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from enginecore.entrypoints.openai.sampling import structured_outputs_of, to_sampling_params

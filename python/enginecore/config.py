@@ -5,45 +5,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from enginecore import config_cli
+from enginecore.config_aliases import to_field_values
+from enginecore.model_config import SYNTHETIC_MODEL, ModelConfig
+from enginecore.paths import default_cache_dir
 from enginecore.sched.block_hash import HASH_ALGOS
 from enginecore.sched.request_queue import SchedulingPolicy
 
 logger = logging.getLogger(__name__)
 
-SYNTHETIC_MODEL = "synthetic"
 ExecutorBackend = Literal["uniproc", "synthetic"]
-
-
-@dataclass
-class ModelConfig:
-    """The model and the facts about it the engine needs (read from its files)."""
-
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int = 2048
-    vocab_size: int = 32000
-    eos_token_id: int | None = None
-    bos_token_id: int | None = None
-    num_layers: int = 2
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    architecture: str = SYNTHETIC_MODEL
-    # Where the model's files resolved to (a directory or a .gguf file); None for synthetic.
-    model_path: str | None = None
-    # "generate" (decoders) or "embed" (encoders with a pooler).
-    task: str = "generate"
-    # Mixture of experts: data-parallel ranks then run in lockstep by default.
-    is_moe: bool = False
-
-    @property
-    def is_synthetic(self) -> bool:
-        return self.model == SYNTHETIC_MODEL
 
 
 @dataclass
@@ -332,8 +306,6 @@ class EngineArgs:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Keywords by field name or by vLLM's name (config_aliases.py); ``model``
         may be the one positional argument, as in vLLM."""
-        from enginecore.config_aliases import to_field_values
-
         if len(args) > 1:
             raise TypeError(f"EngineArgs takes the model as its only positional argument, "
                             f"got {len(args)} positional arguments")
@@ -508,7 +480,8 @@ class EngineArgs:
                 eos_token_id=self.synthetic_eos_token_id,
                 is_moe=self.synthetic_moe,
             )
-        # Real models: facts come from the model's own files.
+        # Real models: facts come from the model's own files. Imported here because
+        # model_info imports torch, which a synthetic engine or `--help` never needs.
         from enginecore.model.model_info import resolve_device, resolve_dtype, resolve_model_config
 
         # A bad device or dtype fails here, before any model is fetched or read.
@@ -527,27 +500,16 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add every field as a flag (with its description and default, in groups)
         and vLLM's spellings of them; ``from_cli_args`` builds EngineArgs back."""
-        from enginecore.config_cli import add_engine_args
-
-        return add_engine_args(parser)
+        return config_cli.add_dataclass_args(parser, cls)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        from enginecore.config_cli import engine_args_kwargs
-
-        return cls(**engine_args_kwargs(args))
+        return cls(**config_cli.dataclass_kwargs(cls, args))
 
 
 def engine_args_fields() -> dict[str, dataclasses.Field]:
     """EngineArgs' fields by name, in declaration order."""
     return {f.name: f for f in dataclasses.fields(EngineArgs)}
-
-
-def default_cache_dir() -> str:
-    """Where enginecore keeps fetched and converted models (``ENGINECORE_CACHE_DIR``)."""
-    return os.environ.get(
-        "ENGINECORE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "enginecore")
-    )
 
 
 __all__ = [

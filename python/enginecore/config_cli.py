@@ -10,11 +10,11 @@ group and are only passed on when given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from enginecore.config import EngineArgs, engine_args_fields
 from enginecore.config_aliases import ALIASES
 
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -69,12 +69,18 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Every EngineArgs field as a flag, grouped as config.py groups them, then
-    vLLM's spellings. The parser's formatter shows defaults (``HelpFormatter``)."""
-    hints = get_type_hints(EngineArgs)
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> argparse.ArgumentParser:
+    """Every field of ``cls`` (EngineArgs: fields made by ``config.arg``, whose
+    metadata holds group and help) as a flag, grouped as config.py groups them,
+    then vLLM's spellings. The parser's formatter shows defaults (``HelpFormatter``).
+    The class is passed in, not imported, so config.py can call this module."""
+    hints = get_type_hints(cls)
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for name, f in engine_args_fields().items():
+    for name, f in _fields(cls).items():
         meta = f.metadata
         group = groups.get(meta["group"])
         if group is None:
@@ -106,13 +112,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def engine_args_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineArgs keywords a parsed command line gives: the fields whose value
+def dataclass_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords of ``cls`` (EngineArgs) a parsed command line gives: the fields whose value
     differs from the field's default, overridden by the vLLM spellings that were
     used (on a command line the spelling given wins: a subcommand may change a
     field's default, as ``serve`` may turn ``log_stats`` on, and
     ``--disable-log-stats`` must still turn it off)."""
-    kwargs = {name: getattr(args, name) for name, f in engine_args_fields().items()
+    kwargs = {name: getattr(args, name) for name, f in _fields(cls).items()
               if hasattr(args, name) and getattr(args, name) != f.default}
     for name, alias in ALIASES.items():
         if hasattr(args, name):

@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from enginecore.config import EngineConfig, TransportConfig, default_cache_dir
+from enginecore.config import EngineConfig, TransportConfig
+from enginecore.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

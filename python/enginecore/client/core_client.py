@@ -1,41 +1,20 @@
-"""EngineCoreClient: the interface front-ends program against."""
+"""EngineCoreClient: the interface front-ends program against (client/factory.py
+makes one)."""
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
-from enginecore.config import EngineConfig
-from enginecore.executor.abstract import Executor
 from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest
 
 
 class EngineCoreClient(abc.ABC):
-    @staticmethod
-    def make_client(
-        multiprocess_mode: bool,
-        asyncio_mode: bool,
-        config: EngineConfig,
-        executor_class: type[Executor] | None = None,
-        log_stats: bool = False,
-        **kwargs: Any,
-    ) -> EngineCoreClient:
-        """In-process (``multiprocess_mode=False``), or the engine in its own
-        process with a sync or an asyncio client."""
-        if asyncio_mode and not multiprocess_mode:
-            raise ValueError("asyncio_mode needs multiprocess_mode=True")
-        pc = config.parallel_config
-        if pc.data_parallel_size > 1 and not multiprocess_mode:
-            raise ValueError("data_parallel_size > 1 needs multiprocess_mode=True "
-                             "(one engine process per rank)")
-        if multiprocess_mode:
-            from enginecore.client.mp_client import AsyncMPClient, SyncMPClient
-
-            cls = AsyncMPClient if asyncio_mode else SyncMPClient
-            return cls(config, executor_class, log_stats, **kwargs)
-        from enginecore.client.inproc_client import InprocClient
-
-        return InprocClient(config, executor_class, log_stats)
+    # vLLM's spelling, ``EngineCoreClient.make_client(multiprocess_mode, asyncio_mode,
+    # config)``: client/factory.py's ``make_client``, set there because this interface
+    # cannot import the clients that implement it (the package imports the factory).
+    make_client: ClassVar[Callable[..., EngineCoreClient]]
 
     # -- sync API ----------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -11,8 +11,10 @@ Scale-down: the leaving ranks (the highest) get no new requests and drain the
 ones they hold; then every rank agrees on the rescale, the leaving ones exit
 and the rest form the smaller group. No request is lost either way.
 
-``scale_elastic_ep`` (sync client) and ``scale_elastic_ep_async`` (asyncio
-client) share every step but how they wait.
+``ElasticScaler`` (the sync client's ``scale_elastic_ep``) and
+``AsyncElasticScaler`` (the asyncio client's ``scale_elastic_ep_async``) share
+every step but how they wait. Each client owns one; it reads and changes the
+client's rank lists, processes and config through ``ScalableClient``.
 """
 
 from __future__ import annotations
@@ -22,154 +24,223 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from enginecore.client.request_router import RequestRouter
+from enginecore.config import EngineConfig
 from enginecore.errors import EngineDeadError
 from enginecore.protocol import engine_identity
 
 logger = logging.getLogger(__name__)
 
 
-class _ElasticSteps:
-    """The steps of a rescale, on the multiprocess client (``self``)."""
+class ScalableClient(Protocol):
+    """What a rescale uses of the multiprocess client (client/mp_client.py and the
+    launcher, client/engine_launcher.py)."""
 
-    def _check_scalable(self: Any, new_size: int) -> bool:
+    config: EngineConfig
+    num_engines: int
+    num_local_engines: int
+    num_gpu_blocks: int
+    ranks: list[int]
+    identities: list[bytes]
+    router: RequestRouter
+    procs: list[Any]
+    coordinator: Any
+    _owner: bool
+    _front_ends: list[Any]
+    _ray: Any
+    _dead: bool
+    _dp_generation: int
+    _expected_disconnects: int
+    _leaving: set[Any]
+
+    def _check_alive(self) -> None: ...
+    def _engine_config(self) -> EngineConfig: ...
+    def _bind_handshake(self) -> tuple[Any, str]: ...
+    def _spawn_ranks(self, ranks: list[int], hs_address: str,
+                     config: EngineConfig) -> list[Any]: ...
+    def _init_message(self) -> Any: ...
+    def _handshake(self, handshake: Any, timeout_s: float, ranks: list[int],
+                   procs: dict[int, Any], on_all_init: Callable[[], None]) -> Any: ...
+
+
+class SyncScalableClient(ScalableClient, Protocol):
+    _send_lock: threading.Lock
+
+    def _call(self, engine: int | None, method: str, args: tuple,
+              timeout: float | None) -> Any: ...
+    def _call_nowait(self, engine: int | None, method: str, args: tuple) -> Any: ...
+    def _await_input_sockets(self, count: int, timeout_s: float) -> None: ...
+
+
+class AsyncScalableClient(ScalableClient, Protocol):
+    _ainput: Any
+
+    async def _call_async(self, engine: int | None, method: str, args: tuple) -> Any: ...
+
+
+class ElasticSteps:
+    """The steps of a rescale, shared by both clients' scalers."""
+
+    def __init__(self, client: ScalableClient) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+
+    def _check_scalable(self, new_size: int) -> bool:
         """Validate; False when there is nothing to do."""
-        self._check_alive()
+        c = self.client
+        c._check_alive()
         if not isinstance(new_size, int) or new_size < 1:
             raise ValueError(f"new_size must be an int >= 1, got {new_size!r}")
-        if self.coordinator is None:
+        if c.coordinator is None:
             raise ValueError("elastic scaling needs data_parallel_size >= 2 with the internal "
                              "load balancer at start-up (a DP coordinator)")
-        if not self._owner or len(self._front_ends) > 1:
+        if not c._owner or len(c._front_ends) > 1:
             raise NotImplementedError("elastic scaling from a client with attached front-ends "
                                       "(client_count > 1) is not supported yet")
-        if self.num_local_engines < self.num_engines:
+        if c.num_local_engines < c.num_engines:
             raise NotImplementedError("elastic scaling with headless (remote) ranks is not "
                                       "supported yet")
-        return new_size != self.num_engines
+        return new_size != c.num_engines
 
-    def _resize_config(self: Any, new_size: int) -> None:
-        self._dp_generation += 1
-        pc = dataclasses.replace(self.config.parallel_config, data_parallel_size=new_size,
+    def _resize_config(self, new_size: int) -> None:
+        c = self.client
+        c._dp_generation += 1
+        pc = dataclasses.replace(c.config.parallel_config, data_parallel_size=new_size,
                                  data_parallel_size_local=new_size)
-        self.config = dataclasses.replace(self.config, parallel_config=pc)
+        c.config = dataclasses.replace(c.config, parallel_config=pc)
 
-    def _new_rank_config(self: Any) -> Any:
+    def _new_rank_config(self) -> Any:
         """The new ranks' config: the new size, and the running ranks' KV cache size."""
-        base = self._engine_config()
-        cc = dataclasses.replace(base.cache_config, num_gpu_blocks_override=self.num_gpu_blocks)
+        c = self.client
+        base = c._engine_config()
+        cc = dataclasses.replace(base.cache_config, num_gpu_blocks_override=c.num_gpu_blocks)
         return dataclasses.replace(base, cache_config=cc)
 
-    def _prepare_scale_up(self: Any, new_size: int) -> tuple[Any, list[int], list[Any]]:
+    def _prepare_scale_up(self, new_size: int) -> tuple[Any, list[int], list[Any]]:
         """Spawn the new ranks (handshake socket, ranks, processes); with Ray the
         actors start in ``_start_ray_ranks`` instead."""
-        new_ranks = list(range(self.num_engines, new_size))
+        c = self.client
+        new_ranks = list(range(c.num_engines, new_size))
         self._resize_config(new_size)
-        if self._ray is not None:
+        if c._ray is not None:
             return None, new_ranks, []
         config = self._new_rank_config()
-        handshake, address = self._bind_handshake()
+        handshake, address = c._bind_handshake()
         try:
-            procs = self._spawn_ranks(new_ranks, address, config)
+            procs = c._spawn_ranks(new_ranks, address, config)
         except BaseException:
             handshake.close(linger=0)
             raise
-        self.procs.extend(procs)
+        c.procs.extend(procs)
         return handshake, new_ranks, procs
 
-    def _add_ranks(self: Any, new_ranks: list[int]) -> None:
-        with self._live_lock:
-            self.ranks += new_ranks
-            self.identities += [engine_identity(r) for r in new_ranks]
-            self._load += [0] * len(new_ranks)
-            self.num_engines = self.num_local_engines = len(self.ranks)
-            self._active = list(range(self.num_engines))
+    def _add_ranks(self, new_ranks: list[int]) -> None:
+        c = self.client
+        with c.router.lock:
+            c.ranks += new_ranks
+            c.identities += [engine_identity(r) for r in new_ranks]
+            c.router.add_engines(len(new_ranks))
+            c.num_engines = c.num_local_engines = len(c.ranks)
 
-    def _start_drain(self: Any, new_size: int) -> list[int]:
-        with self._live_lock:
-            self._active = list(range(new_size))  # no new requests for the leaving ranks
-        return list(range(new_size, self.num_engines))
+    def _start_drain(self, new_size: int) -> list[int]:
+        c = self.client
+        with c.router.lock:
+            c.router.active = list(range(new_size))  # no new requests for the leaving ranks
+        return list(range(new_size, c.num_engines))
 
-    def _drained(self: Any, leaving: list[int], deadline: float, drain_timeout_s: float) -> bool:
-        if self._dead:
+    def _drained(self, leaving: list[int], deadline: float, drain_timeout_s: float) -> bool:
+        c = self.client
+        if c._dead:
             raise EngineDeadError()
-        left = sum(self._load[e] for e in leaving)
+        left = c.router.held_by(leaving)
         if left == 0:
             return True
         if time.monotonic() > deadline:
-            with self._live_lock:
-                self._active = list(range(self.num_engines))
+            with c.router.lock:
+                c.router.active = list(range(c.num_engines))
             raise TimeoutError(f"ranks {leaving} still hold {left} requests after "
                                f"{drain_timeout_s:g} s (drain_timeout_s); scaling cancelled")
         return False
 
-    def _leave(self: Any, leaving: list[int]) -> list[Any]:
+    def _leave(self, leaving: list[int]) -> list[Any]:
         # Their input connections close as they exit: not a death for the watcher.
-        self._expected_disconnects += len(leaving)
-        if self._ray is not None:
-            self._ray.leaving(leaving)
+        c = self.client
+        c._expected_disconnects += len(leaving)
+        if c._ray is not None:
+            c._ray.leaving(leaving)
             procs = []
         else:
-            procs = [self.procs[e] for e in leaving]
-        self._leaving.update(procs)  # their exit is expected, not a death
-        self._resize_config(self.num_engines - len(leaving))
+            procs = [c.procs[e] for e in leaving]
+        c._leaving.update(procs)  # their exit is expected, not a death
+        self._resize_config(c.num_engines - len(leaving))
         return procs
 
-    def _reap(self: Any, procs: list[Any], new_size: int, timeout_s: float) -> None:
-        if self._ray is not None:
-            self._ray.remove(self.ranks[new_size:], timeout_s)
+    def _reap(self, procs: list[Any], new_size: int, timeout_s: float) -> None:
+        c = self.client
+        if c._ray is not None:
+            c._ray.remove(c.ranks[new_size:], timeout_s)
         for proc in procs:
             proc.join(timeout=timeout_s)
             if proc.is_alive():
                 logger.warning("%s did not exit after leaving; terminating it", proc.name)
                 proc.terminate()
                 proc.join(timeout=10)
-        with self._live_lock:
-            del self.ranks[new_size:], self.identities[new_size:], self._load[new_size:]
-            self.procs[:] = [p for p in self.procs if p not in procs]
-            self.num_engines = self.num_local_engines = new_size
+        with c.router.lock:
+            del c.ranks[new_size:], c.identities[new_size:]
+            c.router.keep_engines(new_size)
+            c.procs[:] = [p for p in c.procs if p not in procs]
+            c.num_engines = c.num_local_engines = new_size
         # The procs stay in _leaving: the monitor may still be looking at their exit.
 
-    def _log_scaled(self: Any, old: int, t0: float) -> None:
+    def _log_scaled(self, old: int, t0: float) -> None:
+        c = self.client
         logger.info("data parallel scaled %d -> %d ranks in %.2f s (generation %d)", old,
-                    self.num_engines, time.monotonic() - t0, self._dp_generation)
+                    c.num_engines, time.monotonic() - t0, c._dp_generation)
 
 
-class ElasticScaling(_ElasticSteps):
-    """``scale_elastic_ep`` for the sync multiprocess client."""
+class ElasticScaler(ElasticSteps):
+    """The sync client's (``SyncMPClient.scale_elastic_ep``)."""
 
-    def scale_elastic_ep(self: Any, new_size: int, drain_timeout_s: float = 300.0,
+    client: SyncScalableClient
+
+    def __init__(self, client: SyncScalableClient) -> None:
+        super().__init__(client)
+
+    def scale(self, new_size: int, drain_timeout_s: float = 300.0,
                          timeout_s: float = 120.0) -> None:
         """Change the number of data-parallel ranks to ``new_size`` while serving."""
+        c = self.client
         if not self._check_scalable(new_size):
             return
-        old, t0 = self.num_engines, time.monotonic()
-        with self._scale_lock:
+        old, t0 = c.num_engines, time.monotonic()
+        with self._lock:
             if new_size > old:
                 handshake, new_ranks, procs = self._prepare_scale_up(new_size)
                 rescale: list[Any] = []
 
                 def commit() -> None:
-                    rescale.append(self._call_nowait(None, "reinitialize_distributed",
-                                                     (new_size, self._dp_generation)))
+                    rescale.append(c._call_nowait(None, "reinitialize_distributed",
+                                                     (new_size, c._dp_generation)))
 
                 if handshake is None:  # Ray: the actors get INIT up front
-                    self._ray.start(self._new_rank_config(), new_ranks, self._init_message(),
+                    c._ray.start(self._new_rank_config(), new_ranks, c._init_message(),
                                     timeout_s, before_wait=commit)
                     rescale[0].result(timeout=timeout_s)
-                    with self._send_lock:
-                        self._await_input_sockets(len(new_ranks), timeout_s)
+                    with c._send_lock:
+                        c._await_input_sockets(len(new_ranks), timeout_s)
                     self._add_ranks(new_ranks)
                     self._log_scaled(old, t0)
                     return
                 try:
                     # Commit once every new rank has its INIT.
-                    self._handshake(handshake, timeout_s, new_ranks, dict(zip(new_ranks, procs)),
+                    c._handshake(handshake, timeout_s, new_ranks, dict(zip(new_ranks, procs)),
                                     commit)
                     rescale[0].result(timeout=timeout_s)
-                    with self._send_lock:
-                        self._await_input_sockets(len(new_ranks), timeout_s)
+                    with c._send_lock:
+                        c._await_input_sockets(len(new_ranks), timeout_s)
                 finally:
                     handshake.close(linger=0)
                 self._add_ranks(new_ranks)
@@ -179,47 +250,47 @@ class ElasticScaling(_ElasticSteps):
                 while not self._drained(leaving, deadline, drain_timeout_s):
                     time.sleep(0.02)
                 procs = self._leave(leaving)
-                self._call(None, "reinitialize_distributed", (new_size, self._dp_generation),
+                c._call(None, "reinitialize_distributed", (new_size, c._dp_generation),
                            timeout_s)
                 self._reap(procs, new_size, timeout_s)
         self._log_scaled(old, t0)
 
-    @property
-    def _scale_lock(self: Any) -> threading.Lock:
-        lock = self.__dict__.get("_scale_lock_")
-        if lock is None:
-            lock = self.__dict__.setdefault("_scale_lock_", threading.Lock())
-        return lock
 
+class AsyncElasticScaler(ElasticSteps):
+    """The asyncio client's (``AsyncMPClient.scale_elastic_ep_async``): the same
+    steps, waited for on its event loop."""
 
-class AsyncElasticScaling(_ElasticSteps):
-    """``scale_elastic_ep_async`` for the asyncio multiprocess client."""
+    client: AsyncScalableClient
 
-    async def scale_elastic_ep_async(self: Any, new_size: int, drain_timeout_s: float = 300.0,
+    def __init__(self, client: AsyncScalableClient) -> None:
+        super().__init__(client)
+
+    async def scale_async(self, new_size: int, drain_timeout_s: float = 300.0,
                                      timeout_s: float = 120.0) -> None:
         """Change the number of data-parallel ranks to ``new_size`` while serving."""
+        c = self.client
         if not self._check_scalable(new_size):
             return
-        old, t0 = self.num_engines, time.monotonic()
+        old, t0 = c.num_engines, time.monotonic()
         loop = asyncio.get_running_loop()
         if new_size > old:
             handshake, new_ranks, procs = self._prepare_scale_up(new_size)
             rescale: list[Any] = []
 
             def commit() -> None:  # runs on the handshake thread: hand it to the loop
-                rescale.append(asyncio.run_coroutine_threadsafe(self._call_async(
-                    None, "reinitialize_distributed", (new_size, self._dp_generation)), loop))
+                rescale.append(asyncio.run_coroutine_threadsafe(c._call_async(
+                    None, "reinitialize_distributed", (new_size, c._dp_generation)), loop))
 
             try:
                 if handshake is None:  # Ray: the actors get INIT up front
-                    await asyncio.to_thread(self._ray.start, self._new_rank_config(), new_ranks,
-                                            self._init_message(), timeout_s, commit)
+                    await asyncio.to_thread(c._ray.start, self._new_rank_config(), new_ranks,
+                                            c._init_message(), timeout_s, commit)
                 else:
-                    await asyncio.to_thread(self._handshake, handshake, timeout_s, new_ranks,
+                    await asyncio.to_thread(c._handshake, handshake, timeout_s, new_ranks,
                                             dict(zip(new_ranks, procs)), commit)
                 await asyncio.wait_for(asyncio.wrap_future(rescale[0]), timeout_s)
                 for _ in new_ranks:  # their input sockets say hello
-                    await asyncio.wait_for(self._ainput.recv_multipart(), timeout_s)
+                    await asyncio.wait_for(c._ainput.recv_multipart(), timeout_s)
             finally:
                 if handshake is not None:
                     handshake.close(linger=0)
@@ -230,7 +301,7 @@ class AsyncElasticScaling(_ElasticSteps):
             while not self._drained(leaving, deadline, drain_timeout_s):
                 await asyncio.sleep(0.02)
             procs = self._leave(leaving)
-            await asyncio.wait_for(self._call_async(
-                None, "reinitialize_distributed", (new_size, self._dp_generation)), timeout_s)
+            await asyncio.wait_for(c._call_async(
+                None, "reinitialize_distributed", (new_size, c._dp_generation)), timeout_s)
             await asyncio.to_thread(self._reap, procs, new_size, timeout_s)
         self._log_scaled(old, t0)

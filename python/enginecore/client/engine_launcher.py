@@ -72,7 +72,7 @@ class EngineLauncher:
         if self._coord_addresses is not None:
             from enginecore.client.dp_link import CoordinatorLink
 
-            self._link = CoordinatorLink(self.ctx, self._coord_addresses,
+            self.router.link = CoordinatorLink(self.ctx, self._coord_addresses,
                                          self.config.parallel_config.data_parallel_lockstep,
                                          self._curve)
 
@@ -130,7 +130,7 @@ class EngineLauncher:
 
     def _spawn_ranks(self, ranks: list[int], hs_address: str, config: EngineConfig,
                      ) -> list[multiprocessing.process.BaseProcess]:
-        from enginecore.core.engine_core_proc import run_engine_core
+        from enginecore.core.engine_process import run_engine_core
 
         devices = rank_devices(config)
         ctx = multiprocessing.get_context("spawn")

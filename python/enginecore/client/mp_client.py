@@ -24,12 +24,14 @@ import zmq
 import zmq.asyncio
 
 from enginecore.client.core_client import EngineCoreClient
-from enginecore.client.elastic import AsyncElasticScaling, ElasticScaling
+from enginecore.client.elastic import AsyncElasticScaler, ElasticScaler
 from enginecore.client.engine_launcher import EngineLauncher
 from enginecore.client.remote_front_end import RemoteFrontEnds, bind_front_end
+from enginecore.client.request_router import RequestRouter
 from enginecore.client.sockets import Addresses
+from enginecore.client.utility_calls import PendingCall, PendingCalls
 from enginecore.config import EngineConfig
-from enginecore.core.utility import convert_result, signature_of
+from enginecore.core.utility import signature_of
 from enginecore.errors import EngineDeadError
 from enginecore.executor.abstract import Executor
 from enginecore.protocol import (
@@ -156,12 +158,7 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         self.num_engines = len(self.ranks)
         self.identities = [engine_identity(r) for r in self.ranks]
         self.identity = self.identities[0]
-        # Internal load balancing: live requests per engine, and who owns which;
-        # new requests go to the active engines (not to ranks being removed).
-        self._load = [0] * self.num_engines
-        self._active = list(range(self.num_engines))
-        self._link: Any = None
-        self._engine_of: dict[str, int] = {}
+        self.router = RequestRouter(self.num_engines, client_index)
         self.client_index = client_index
         self._dead = False
         self._closed = False
@@ -169,8 +166,8 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._max_message_bytes = config.transport_config.max_message_bytes
-        self._live: set[str] = set()
-        self._live_lock = threading.Lock()
+        # Utility calls waiting for their replies (settled by the output reader).
+        self.pending_calls = PendingCalls()
 
     def attach(self, client_index: int) -> MPClient:
         """Another front-end (same class) on this client's engine; it does not own
@@ -213,27 +210,6 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         if self._closed:
             raise RuntimeError("the client is shut down")
 
-    def _register(self, request: EngineCoreRequest) -> int:
-        """Track a new request and pick its engine (least loaded); its index."""
-        if not isinstance(request.request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
-        if request.request_id.startswith("\x00"):
-            raise ValueError("request ids may not begin with a NUL character")
-        with self._live_lock:
-            if request.request_id in self._live:
-                raise ValueError(f"request id {request.request_id!r} is already live")
-            self._live.add(request.request_id)
-            engine = request.data_parallel_rank
-            if engine is None or engine not in self._active:
-                engine = (self._link.pick(self._active, self._load) if self._link is not None
-                          else min(self._active, key=self._load.__getitem__))
-            self._load[engine] += 1
-            self._engine_of[request.request_id] = engine
-        request.client_index = self.client_index
-        if self._link is not None:
-            request.current_wave = self._link.current_wave_for_request()
-        return engine
-
     def _add_frames(self, engine: int, request: EngineCoreRequest) -> list[bytes]:
         """The ADD to send, checked as the engine will decode it (types, bounds): a
         request the engine would refuse raises ``ValueError`` here, unsent."""
@@ -247,38 +223,10 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
             raise ValueError(f"a {size}-byte message is over the {self._max_message_bytes}-byte "
                              "message cap (zmq_max_message_bytes)")
 
-    def _sent(self, engine: int, request: EngineCoreRequest) -> None:
-        if self._link is not None:
-            self._link.sent_to(engine, request.current_wave)
-
-    def _forget_finished(self, outs: EngineCoreOutputs) -> None:
-        finished = [o.request_id for o in outs.outputs if o.finish_reason is not None]
-        if finished:
-            with self._live_lock:
-                self._live.difference_update(finished)
-                for rid in finished:
-                    engine = self._engine_of.pop(rid, None)
-                    if engine is not None:
-                        self._load[engine] -= 1
-
-    def _forget(self, request_id: str) -> None:
-        with self._live_lock:
-            self._live.discard(request_id)
-            engine = self._engine_of.pop(request_id, None)
-            if engine is not None:
-                self._load[engine] -= 1
-
     def _abort_frames(self, request_ids: list[str]) -> list[list[bytes]]:
         """One ABORT per engine that owns some of the ids (unknown ids go to all)."""
-        per_engine: dict[int, list[str]] = {}
-        with self._live_lock:
-            for rid in request_ids:
-                owner = self._engine_of.get(rid)
-                targets = [owner] if owner is not None else range(self.num_engines)
-                for e in targets:
-                    per_engine.setdefault(e, []).append(rid)
         return [[self.identities[e], _ABORT, self._encoder.encode(ids)]
-                for e, ids in per_engine.items()]
+                for e, ids in self.router.owners(request_ids).items()]
 
     def _utility_frames(self, method: str, args: tuple, fut: Any,
                         engine: int | None = None) -> tuple[int, list[list[bytes]]]:
@@ -291,32 +239,9 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         payload = self._encoder.encode(
             UtilityRequest(self.client_index, call_id, method, list(args)))
         targets = range(self.num_engines) if engine is None else [engine]
-        # call_id -> [method, future, replies still due, first failure, value, answering rank]
-        self._pending[call_id] = [method, fut, len(targets), None, None, self.ranks[targets[0]]]
+        self.pending_calls.add(call_id, PendingCall(method, fut, replies_due=len(targets),
+                                                    answering_rank=self.ranks[targets[0]]))
         return call_id, [[self.identities[e], _UTILITY, payload] for e in targets]
-
-    def _utility_reply(self, pending: dict, outs: EngineCoreOutputs) -> tuple[Any, Any] | None:
-        """Collect one engine's reply; once every engine answered, (future, outcome)
-        where outcome is an exception or engine 0's converted result."""
-        u = outs.utility_output
-        entry = pending.get(u.call_id)
-        if entry is None:
-            return None
-        entry[2] -= 1
-        if u.failure_message is not None and entry[3] is None:
-            entry[3] = RuntimeError(u.failure_message)
-        if outs.engine_index == entry[5] or self.num_engines == 1:
-            entry[4] = u.result.value if u.result else None
-        if entry[2] > 0:
-            return None
-        del pending[u.call_id]
-        method, fut, _, failure, value, _ = entry
-        if failure is not None:
-            return fut, failure
-        try:
-            return fut, convert_result(method, value)
-        except Exception as e:  # noqa: BLE001
-            return fut, e
 
     def _fail_pending(self, queue_put) -> None:
         """The engine is dead: every waiter (outputs, utility calls) learns it now."""
@@ -325,10 +250,7 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
 
     def _fail_waiters(self, put: Any, error: EngineDeadError) -> None:
         put(error)
-        for entry in list(self._pending.values()):
-            if not entry[1].done():
-                entry[1].set_exception(error)
-        self._pending.clear()
+        self.pending_calls.fail_all(error)
 
     def _on_frame(self, buf: memoryview, put: Any) -> bool:
         """One frame from the output socket: outputs go to ``put``, utility replies
@@ -341,9 +263,9 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         try:
             outs = self._decoder.decode(buf)
             if outs.utility_output is not None:
-                self._settle_utility(outs)
+                self.pending_calls.settle(outs, single_engine=self.num_engines == 1)
                 return True
-            self._forget_finished(outs)
+            self.router.forget_finished(outs)
         except Exception as e:  # noqa: BLE001 - drop the frame, keep reading
             logger.warning("client %d dropped an output frame it could not read (%d bytes, "
                            "first bytes %r): %s", self.client_index, len(buf),
@@ -352,22 +274,13 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         put(outs)
         return True
 
-    def _settle_utility(self, outs: EngineCoreOutputs) -> None:
-        done = self._utility_reply(self._pending, outs)
-        if done is not None and not done[0].done():
-            fut, outcome = done
-            if isinstance(outcome, BaseException):
-                fut.set_exception(outcome)
-            else:
-                fut.set_result(outcome)
-
     # -- shutdown --------------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._link is not None:
-            self._link.close()
+        if self.router.link is not None:
+            self.router.link.close()
         self._wake_on_shutdown()
         if not self._owner:
             if getattr(self, "_own_context", False):  # attached from another process
@@ -420,16 +333,15 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         self.ctx.destroy(linger=0)
 
 
-class SyncMPClient(ElasticScaling, MPClient):
+class SyncMPClient(MPClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._post_init()
 
     def _post_init(self) -> None:
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
-        # call_id -> [method, future, replies still due, first failure, engine 0's value]
-        self._pending: dict[int, list] = {}
         self._send_lock = threading.Lock()
+        self.elastic = ElasticScaler(self)
         self._reader = threading.Thread(target=self._read_outputs, daemon=True,
                                         name="enginecore-client-output")
         self._reader.start()
@@ -467,13 +379,13 @@ class SyncMPClient(ElasticScaling, MPClient):
                 raise EngineDeadError(f"could not send to the engine: {e}") from e
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        engine = self._register(request)
+        engine = self.router.register(request)
         try:
             self._send(self._add_frames(engine, request))
         except BaseException:
-            self._forget(request.request_id)
+            self.router.forget(request.request_id)
             raise
-        self._sent(engine, request)
+        self.router.sent(engine, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for frames in self._abort_frames(list(request_ids)):
@@ -508,11 +420,17 @@ class SyncMPClient(ElasticScaling, MPClient):
             for frames in per_engine:
                 self._send(frames)
         except BaseException:
-            self._pending.pop(call_id, None)
+            self.pending_calls.discard(call_id)
             raise
         if self._dead and not fut.done():
             fut.set_exception(EngineDeadError())
         return fut
+
+    def scale_elastic_ep(self, new_size: int, drain_timeout_s: float = 300.0,
+                         timeout_s: float = 120.0) -> None:
+        """Change the number of data-parallel ranks to ``new_size`` while serving
+        (client/elastic.py)."""
+        self.elastic.scale(new_size, drain_timeout_s, timeout_s)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -521,7 +439,7 @@ class SyncMPClient(ElasticScaling, MPClient):
             reader.join(timeout=2)
 
 
-class AsyncMPClient(AsyncElasticScaling, MPClient):
+class AsyncMPClient(MPClient):
     """asyncio client: call it from one event loop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -533,8 +451,8 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
         self._aoutput = zmq.asyncio.Socket.from_socket(self.output_socket)
         self._queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: dict[int, list] = {}
         self._reader_task: asyncio.Task | None = None
+        self.elastic = AsyncElasticScaler(self)
 
     def _ensure_reader(self) -> None:
         if self._reader_task is None:
@@ -584,13 +502,13 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
             raise EngineDeadError(f"could not send to the engine: {e}") from e
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        engine = self._register(request)
+        engine = self.router.register(request)
         try:
             await self._send(self._add_frames(engine, request))
         except BaseException:
-            self._forget(request.request_id)
+            self.router.forget(request.request_id)
             raise
-        self._sent(engine, request)
+        self.router.sent(engine, request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         for frames in self._abort_frames(list(request_ids)):
@@ -622,9 +540,15 @@ class AsyncMPClient(AsyncElasticScaling, MPClient):
             for frames in per_engine:
                 await self._send(frames)
         except BaseException:
-            self._pending.pop(call_id, None)
+            self.pending_calls.discard(call_id)
             raise
         return await fut
+
+    async def scale_elastic_ep_async(self, new_size: int, drain_timeout_s: float = 300.0,
+                                     timeout_s: float = 120.0) -> None:
+        """Change the number of data-parallel ranks to ``new_size`` while serving
+        (client/elastic.py)."""
+        await self.elastic.scale_async(new_size, drain_timeout_s, timeout_s)
 
     def shutdown(self) -> None:
         task = getattr(self, "_reader_task", None)

@@ -10,11 +10,11 @@ import logging
 import os
 import queue
 import time
-
-import msgspec
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Annotated, Any, Literal
+
+import msgspec
 
 from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
@@ -22,9 +22,9 @@ from enginecore.bounds import NonNegInt64, PositiveInt64, finite
 from enginecore.config import EngineConfig
 from enginecore.core.fault_isolation import FaultIsolation
 from enginecore.core.stat_logger import StatLogger
-from enginecore.executor.abstract import Executor, KVCacheConfig, get_executor_class
+from enginecore.executor.abstract import Executor, KVCacheConfig
+from enginecore.executor.factory import get_executor_class
 from enginecore.protocol import (
-    EngineCoreOutputs,
     EngineCoreRequest,
     LoRARequest,
     SchedulerStats,
@@ -32,6 +32,7 @@ from enginecore.protocol import (
     encode_request,
 )
 from enginecore.request import Request, RequestStatus
+from enginecore.sched.columnar_outputs import ColumnarOutputs
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 from enginecore.sched.scheduler import PauseState, Scheduler
 from enginecore.sched.structured_output import StructuredOutputError, StructuredOutputManager
@@ -49,7 +50,8 @@ WakeUpTag = Literal["weights", "kv_cache"]
 
 class EngineCore:
     """Inner loop of the engine: ``step()`` schedules, runs the model, and
-    turns sampled tokens into per-client ``EngineCoreOutputs``."""
+    turns sampled tokens into per-client outputs (``ColumnarOutputs``: columns with
+    the typed ``.outputs`` view; ``to_struct()`` gives the wire's EngineCoreOutputs)."""
 
     def __init__(
         self,
@@ -78,6 +80,12 @@ class EngineCore:
         self.batch_queue = (
             make_blocking_queue(self.batch_queue_size) if self.batch_queue_size > 1 else None
         )
+        mc = config.model_config
+        path = mc.model_path
+        tok_json = os.path.join(path, "tokenizer.json") if path else None
+        self.structured_output = StructuredOutputManager(
+            tok_json if tok_json and os.path.exists(tok_json) else None, mc.vocab_size,
+            mc.eos_token_id, config.structured_outputs_config.mask_budget_ms)
         self.scheduler = Scheduler(
             config,
             num_blocks,
@@ -85,6 +93,7 @@ class EngineCore:
             log_stats=self.log_stats or config.log_iteration_details,
             log_iteration_details=config.log_iteration_details,
             track_in_flight=self.batch_queue is not None,
+            structured_output=self.structured_output,
         )
         self.stat_logger = StatLogger(
             getattr(self, "engine_index", 0), config.log_stats_interval_s,
@@ -97,7 +106,6 @@ class EngineCore:
         # applied before that step's outputs are processed.
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self.weight_version: str | None = None
-        mc = config.model_config
         self._eos_token_id = mc.eos_token_id
         self._vocab_size = mc.vocab_size
         self._max_model_len = self.scheduler.max_model_len
@@ -106,12 +114,6 @@ class EngineCore:
         self._hash_algo = cc.prefix_caching_hash_algo
         self._enable_hashes = cc.enable_prefix_caching
         self._tasks = self.get_supported_tasks()
-        path = mc.model_path
-        tok_json = os.path.join(path, "tokenizer.json") if path else None
-        self.structured_output = StructuredOutputManager(
-            tok_json if tok_json and os.path.exists(tok_json) else None, mc.vocab_size,
-            mc.eos_token_id, config.structured_outputs_config.mask_budget_ms)
-        self.scheduler.structured_output = self.structured_output
         self._max_batched = config.scheduler_config.max_num_batched_tokens
         self._wire_encoder = msgspec.msgpack.Encoder()
 
@@ -256,7 +258,7 @@ class EngineCore:
             self.abort_requests(ids)
 
     # -- stepping ------------------------------------------------------------------------
-    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+    def step(self) -> tuple[dict[int, ColumnarOutputs], bool]:
         """One schedule + execute + update. Returns (outputs per client, model ran)."""
         scheduler = self.scheduler
         if not scheduler.has_requests() or self.model_executor.is_sleeping:
@@ -278,7 +280,7 @@ class EngineCore:
             self.stat_logger.record(outputs, scheduler_output.total_num_scheduled_tokens)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+    def step_with_batch_queue(self) -> tuple[dict[int, ColumnarOutputs], bool]:
         """Keep up to ``max_concurrent_batches`` batches in flight: schedule and
         launch a new batch while the queue has room and the oldest is still
         running; otherwise block on the oldest and process its outputs."""

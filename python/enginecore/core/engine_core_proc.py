@@ -12,9 +12,6 @@ import gc
 import logging
 import os
 import queue
-import signal
-import sys
-import traceback
 from typing import Any
 
 import msgspec
@@ -25,10 +22,8 @@ from enginecore.blocking_queue import make_blocking_queue
 from enginecore.config import EngineConfig
 from enginecore.core.engine_core import EngineCore
 from enginecore.core.engine_io import FAIL_SILENTLY, FATAL, SHUTDOWN, EngineIO
-from enginecore.core.liveness import remove_private_dir, watch_parent
 from enginecore.core.utility import convert_args, signature_of
 from enginecore.executor.abstract import Executor
-from enginecore.interrupts import ignore_sigint
 from enginecore.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -260,78 +255,5 @@ class EngineCoreProc(EngineIO, EngineCore):
         self.ctx.destroy(linger=0)
 
 
-class _Shutdown(BaseException):
-    pass
-
-
 class RankRemoved(BaseException):
     """This data-parallel rank left the group in a rescale; the process exits cleanly."""
-
-
-def run_engine_core(
-    config: EngineConfig,
-    handshake_address: str,
-    executor_class: type[Executor] | None = None,
-    log_stats: bool = False,
-    engine_index: int = 0,
-    handshake_timeout_s: float = 60.0,
-    parent_pid: int | None = None,
-    log_level: int = logging.WARNING,
-    visible_devices: str | None = None,
-    ipc_dir: str | None = None,
-) -> None:
-    """Entry point of the engine process. ``ipc_dir``: the front-end's private socket
-    directory, removed here if the front-end dies first."""
-    if visible_devices is not None:
-        # Before anything imports torch's CUDA runtime: this rank sees only its device.
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s engine{engine_index} "
-                        "%(name)s: %(message)s")
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise _Shutdown(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    if parent_pid is None:
-        signal.signal(signal.SIGINT, on_signal)
-    else:
-        ignore_sigint()  # Ctrl-C is the front-end's; it stops us (interrupts.py)
-    parent_gone = []
-    if parent_pid is not None:
-        # Liveness from the parent's death (a pidfd), not from a heartbeat: a
-        # front-end that is only stalled (SIGSTOP, swap) is not taken for dead.
-        watch_parent(parent_pid, lambda: parent_gone.append(True))
-    engine: EngineCoreProc | None = None
-    exit_code = 0
-    try:
-        cls = EngineCoreProc
-        if config.parallel_config.data_parallel_size > 1:
-            from enginecore.core.dp_engine_core_proc import DPEngineCoreProc
-
-            cls = DPEngineCoreProc
-        engine = cls(config, handshake_address, executor_class, log_stats, engine_index,
-                     handshake_timeout_s)
-        engine.run_busy_loop()
-    except _Shutdown as e:
-        logger.info("engine %d shutting down on %s", engine_index, e)
-    except RankRemoved:
-        logger.info("engine %d left the data-parallel group; exiting", engine_index)
-    except BaseException:
-        exit_code = 1
-        logger.error("engine %d died:\n%s", engine_index, traceback.format_exc())
-        if engine is not None and hasattr(engine, "_stop"):
-            engine.send_engine_dead()
-    finally:
-        if engine is not None:
-            try:
-                engine.shutdown()
-            except BaseException:  # noqa: BLE001
-                logger.exception("engine %d shutdown failed", engine_index)
-        if ipc_dir is not None and (parent_gone or (engine is not None and engine.owner_gone)):
-            remove_private_dir(ipc_dir)  # the front-end is gone: nobody else will
-    # Everything is closed: leave without interpreter finalization, where library
-    # finalizers (torch, zmq) have been seen to stall a dying engine for seconds.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)

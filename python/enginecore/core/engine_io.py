@@ -75,9 +75,6 @@ class EngineIO:
     """IO threads of EngineCoreProc; ``self`` is the engine."""
 
     def _start_io_threads(self, init: HandshakeInit) -> None:
-        # Native path: step outputs stay columns and the output thread writes
-        # msgpack from them in C++ (serial.py); the Python path builds objects.
-        self.scheduler.columnar_outputs = _native.native_available()
         self._stop = threading.Event()
         # The coordinator (data parallel) is one more peer on each side: it sends
         # START_DP_WAVE like a front-end, and takes outputs addressed to client -1.

@@ -34,14 +34,9 @@ class DPEngineCoreActor:
 
     def wait_for_init(self) -> tuple[int, int]:
         """Build the engine; (num_gpu_blocks, max_model_len) once it is ready."""
-        from enginecore.core.engine_core_proc import EngineCoreProc
+        from enginecore.core.engine_process import engine_core_proc_class
 
-        cls = EngineCoreProc
-        if self._config.parallel_config.data_parallel_size > 1:
-            from enginecore.core.dp_engine_core_proc import DPEngineCoreProc
-
-            cls = DPEngineCoreProc
-        self.engine = cls(self._config, None, self._executor_class, self._log_stats,
+        self.engine = engine_core_proc_class(self._config)(self._config, None, self._executor_class, self._log_stats,
                           self.engine_index, init=self._init)
         return (self._config.cache_config.num_gpu_blocks or 0, self.engine.scheduler.max_model_len)
 

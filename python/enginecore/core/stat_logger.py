@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from enginecore.protocol import EngineCoreOutputs, SchedulerStats
+from enginecore.protocol import SchedulerStats
 from enginecore.sched.columnar_outputs import ColumnarOutputs
 
 logger = logging.getLogger(__name__)
@@ -42,11 +42,9 @@ def make_visible(log: logging.Logger) -> None:
         log.propagate = False
 
 
-def count_new_tokens(outs: EngineCoreOutputs | ColumnarOutputs) -> int:
-    if isinstance(outs, ColumnarOutputs):
-        return sum(len(t) if type(t) is list else len(t.new_token_ids)  # type: ignore[union-attr]
-                   for t in outs.new_token_ids)
-    return sum(len(o.new_token_ids) for o in outs.outputs)
+def count_new_tokens(outs: ColumnarOutputs) -> int:
+    return sum(len(t) if type(t) is list else len(t.new_token_ids)  # type: ignore[union-attr]
+               for t in outs.new_token_ids)
 
 
 class StatLogger:

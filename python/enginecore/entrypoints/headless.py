@@ -21,11 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 def run_headless(args: argparse.Namespace) -> int:
-    from enginecore.config import EngineArgs
-    from enginecore.core.engine_core_proc import run_engine_core
-    from enginecore.interrupts import children_ignore_sigint
     import msgspec
 
+    from enginecore.config import EngineArgs
+    from enginecore.core.engine_process import run_engine_core
+    from enginecore.interrupts import children_ignore_sigint
     from enginecore.transport import curve_wanted, default_key_file, read_rank_keys
 
     with user_errors():

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from enginecore.client.core_client import EngineCoreClient
+from enginecore.client.factory import make_client
 from enginecore.config import EngineArgs
 from enginecore.frontend.async_llm import load_tokenizer
 from enginecore.frontend.input_processor import InputProcessor, PromptType
@@ -54,8 +54,8 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model_config.model} has no tokenizer.json")
         self.log_stats = not disable_log_stats
-        self.client = EngineCoreClient.make_client(multiprocess_mode, False, self.config,
-                                                   log_stats=self.log_stats)
+        self.client = make_client(multiprocess_mode, False, self.config,
+                                  log_stats=self.log_stats)
         max_model_len = getattr(self.client, "max_model_len", None)
         if max_model_len is None:  # in process: the engine's (it may have capped it)
             max_model_len = self.client.engine.scheduler.max_model_len

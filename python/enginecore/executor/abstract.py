@@ -165,15 +165,3 @@ class Executor(abc.ABC):
     ) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no weights to save")
 
-
-def get_executor_class(config: EngineConfig) -> type[Executor]:
-    backend = config.executor_config.backend
-    if backend == "synthetic":
-        from enginecore.executor.synthetic import SyntheticExecutor
-
-        return SyntheticExecutor
-    if backend == "uniproc":
-        from enginecore.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor
-    raise ValueError(f"unknown executor backend {backend!r}; supported: 'uniproc', 'synthetic'")

@@ -37,7 +37,7 @@ def request_seed(seed: int | None, prompt_token_ids: list[int]) -> int:
     return zlib.crc32(bytes(str(prompt_token_ids[:256]), "ascii")) | (len(prompt_token_ids) << 32)
 
 
-def sample_py(
+def synthetic_sample_py(
     scheduled: dict[str, int], spec: dict[str, list[int]], state: dict[str, list[int]],
     cached_ids: list[str], cached_computed: list[int], new_computed: dict[str, int],
     vocab_size: int,
@@ -140,7 +140,7 @@ class SyntheticExecutor(Executor):
                 new_computed[new.req_id] = new.num_computed_tokens
             cached = so.scheduled_cached_reqs
             ext = _native.extension()
-            sample = ext.synthetic_sample if ext is not None else sample_py
+            sample = ext.synthetic_sample if ext is not None else synthetic_sample_py
             req_ids, index_of, sampled = sample(
                 so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, state, cached.req_ids,
                 cached.num_computed_tokens, new_computed, self.vocab_size)

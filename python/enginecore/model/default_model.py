@@ -13,7 +13,7 @@ import sys
 import tempfile
 import zipfile
 
-from enginecore.config import default_cache_dir
+from enginecore.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

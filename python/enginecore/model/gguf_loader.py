@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from enginecore.config import default_cache_dir
+from enginecore.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from enginecore.config import ModelConfig
 from enginecore.model.arch_config import load_arch_config
 from enginecore.model.bert import is_encoder_config, load_bert_config
+from enginecore.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

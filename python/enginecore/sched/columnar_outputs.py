@@ -1,15 +1,14 @@
-"""One step's outputs for one client as columns (the process engine's native path).
+"""One step's outputs for one client as columns: what ``update_from_output`` and
+``take_pending_outputs`` return on both paths.
 
-``update_from_output`` builds one ``EngineCoreOutput`` object per request on the
-Python path; with ``Scheduler.columnar_outputs`` it appends the request id and
-the new token list to two lists instead, and the output thread writes msgpack
-straight from them (``csrc/output_encoder.cpp``). Outputs that are not plain
-decodes (finished, with logprobs, pooled, owed from outside a step) stay
-``EngineCoreOutput`` objects in the token column, with ``None`` as their id.
-``to_struct()`` gives the equivalent ``EngineCoreOutputs``; both encode to the
-same bytes.
+A plain decode is two appends (the request id, the new token list); outputs that
+are not plain decodes (finished, with logprobs, pooled, owed from outside a step)
+stay ``EngineCoreOutput`` objects in the token column, with ``None`` as their id.
+``outputs`` is the typed view (one ``EngineCoreOutput`` per request) and
+``to_struct()`` the equivalent ``EngineCoreOutputs``: the native output thread
+writes msgpack straight from the columns (``csrc/output_encoder.cpp``), the Python
+path encodes ``to_struct()`` with msgspec; both give the same bytes.
 """
-
 from __future__ import annotations
 
 import time

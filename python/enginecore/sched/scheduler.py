@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 from enginecore import _native
 from enginecore.config import EngineConfig
@@ -23,6 +22,7 @@ from enginecore.sched.output import CachedRequestData, NewRequestData, Scheduler
 from enginecore.sched.request_events import RequestEvents
 from enginecore.sched.request_queue import SchedulingPolicy, create_request_queue
 from enginecore.sched.scheduler_update import SchedulerUpdate
+from enginecore.sched.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,10 @@ class Scheduler(SchedulerUpdate):
         log_stats: bool = False,
         log_iteration_details: bool = False,
         track_in_flight: bool = False,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
+        """``structured_output``: the grammar manager (None: the scheduler compiles
+        and checks no constraints)."""
         sc = config.scheduler_config
         self.config = config
         self.max_num_running_reqs = sc.max_num_seqs
@@ -102,10 +105,7 @@ class Scheduler(SchedulerUpdate):
         # Lockstep data parallel turns this off on steps off the prefill cadence.
         self.admit_new_prefills = True
         self.num_admitted = 0  # requests moved from waiting to running, ever
-        # The process engine on the native path: step outputs as ColumnarOutputs
-        # (encoded natively), not one EngineCoreOutput object per request.
-        self.columnar_outputs = False
-        self.structured_output: Any = None  # set by EngineCore when a model has a tokenizer
+        self.structured_output = structured_output
         self.step_counter = 0
         self.num_preempted_total = 0
         self.spec_num_draft_tokens = 0

@@ -1,7 +1,8 @@
 """The scheduler's results half (mixed into Scheduler): ``update_from_output``
 appends sampled tokens, applies the stop checks in vLLM's order, frees finished
-requests and builds each client's outputs (objects, or columns on the native
-process path). The plain-decode loop is native (csrc/scheduler_update.cpp);
+requests and builds each client's outputs: a ``ColumnarOutputs`` per client on
+both paths (``.outputs`` is the typed view; the encoder writes msgpack from the
+columns natively, or through ``to_struct()`` and msgspec on the Python path). The plain-decode loop is native (csrc/scheduler_update.cpp);
 one request that makes either loop raise ends alone with ERROR."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 from typing import Any
 
 from enginecore import _native
-from enginecore.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, Logprobs
+from enginecore.protocol import EngineCoreOutput, FinishReason, Logprobs
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.columnar_outputs import ColumnarOutputs
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -27,7 +28,7 @@ class SchedulerUpdate:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
+    ) -> dict[int, ColumnarOutputs]:
         """Append sampled tokens, apply stop checks, free finished requests and
         build the outputs for each client."""
         requests = self.requests
@@ -37,20 +38,18 @@ class SchedulerUpdate:
         pooled = model_output.pooler_output
         spec = scheduler_output.scheduled_spec_decode_tokens
         in_flight = self.in_flight if self.track_in_flight else None
-        outputs: dict[int, list[EngineCoreOutput]] = self.pending_outputs
+        owed_outputs = self.pending_outputs
         self.pending_outputs = {}
         stopped: list[Request] = []
-        # Native process path: plain decode outputs become two column appends.
-        columnar = self.columnar_outputs
+        # Plain decode outputs are two column appends; the rest stay objects in them.
         cols: dict[int, ColumnarOutputs] = {}
-        if columnar:
-            for client, owed in outputs.items():
-                col = cols[client] = ColumnarOutputs()
-                for out in owed:
-                    col.append_output(out)
-            last_client = -1
-            col_ids: list[str | None] = []
-            col_toks: list = []
+        for client, owed in owed_outputs.items():
+            col = cols[client] = ColumnarOutputs()
+            for out in owed:
+                col.append_output(out)
+        last_client = -1
+        col_ids: list[str | None] = []
+        col_toks: list = []
 
         failed: list[tuple[str, str]] = []
         ext = _native.extension()
@@ -59,8 +58,8 @@ class SchedulerUpdate:
             ext.update_decodes(
                 requests, scheduler_output.num_scheduled_tokens, sampled, model_output.req_ids,
                 index_of, in_flight,
-                self.max_model_len, (_RUNNING, _LENGTH, _STOPPED), outputs,
-                cols if columnar else None, stopped, (EngineCoreOutput, ColumnarOutputs),
+                self.max_model_len, (_RUNNING, _LENGTH, _STOPPED),
+                cols, stopped, ColumnarOutputs,
                 self._emit_finished, self._update_request, failed)
             scheduled: Any = ()
         else:
@@ -79,7 +78,7 @@ class SchedulerUpdate:
                     stopped.append(request)
                     out = EngineCoreOutput(rid, [], finish_reason=FinishReason.STOP,
                                            pooling_output=pooled[i])
-                    self._emit_any(outputs, cols, request, out)
+                    self._emit(cols, request, out)
                     continue
                 new_token_ids = sampled[i] if i is not None else []
                 drafts = spec.get(rid)
@@ -96,8 +95,8 @@ class SchedulerUpdate:
                     request.append_output_token_ids(new_token_ids)
                     if self._check_stop(request):
                         stopped.append(request)
-                        self._emit_finished(request, rid, new_token_ids, outputs, cols)
-                    elif columnar:
+                        self._emit_finished(request, rid, new_token_ids, cols)
+                    else:
                         client = request.client_index
                         if client != last_client:
                             col = cols.get(client)
@@ -107,19 +106,16 @@ class SchedulerUpdate:
                             last_client = client
                         col_ids.append(rid)
                         col_toks.append(new_token_ids)
-                    else:
-                        self._emit(outputs, request, EngineCoreOutput(rid, new_token_ids, None))
                     continue
                 self._update_request(request, rid, new_token_ids,
                                      None if logprobs is None
                                      else logprobs[i],  # type: ignore[index]
-                                     outputs, cols, stopped)
+                                     cols, stopped)
             except Exception as e:  # noqa: BLE001 - that request's failure only
                 failed.append((rid, f"{type(e).__name__}: {e}"))
-                if columnar:
-                    last_client = -1
+                last_client = -1
         if failed:
-            self._fail_updates(failed, outputs, cols, stopped)
+            self._fail_updates(failed, cols, stopped)
 
         if stopped:
             gone = {id(r) for r in stopped}
@@ -127,19 +123,15 @@ class SchedulerUpdate:
             for request in stopped:
                 self._free_request(request)
 
-        result: dict[int, Any] = cols if columnar else {
-            client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()
-        }
         if self.log_stats:
             stats = self.make_stats()
-            first = result.get(0) or next(iter(result.values()), None)
+            first = cols.get(0) or next(iter(cols.values()), None)
             if first is None:
-                first = result[0] = ColumnarOutputs() if columnar else EngineCoreOutputs()
+                first = cols[0] = ColumnarOutputs()
             first.scheduler_stats = stats
-        return result
+        return cols
 
     def _fail_updates(self, failed: list[tuple[str, str]],
-                      outputs: dict[int, list[EngineCoreOutput]],
                       cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
         """Requests whose update raised (both paths): each ends with ERROR and the
         exception, once (one that got its finish before raising keeps it)."""
@@ -150,19 +142,19 @@ class SchedulerUpdate:
             logger.error("request %r: processing its step output raised %s; it ends with "
                          "ERROR", rid, why)
             client = request.client_index
-            owed = cols[client].specials if client in cols else outputs.get(client, ())
+            owed = cols[client].specials if client in cols else ()
             if any(o.request_id == rid and o.finish_reason is not None for o in owed):
                 continue
             request.status = RequestStatus.FINISHED_ERROR
             request.stop_reason = f"the engine could not process its output: {why}"
             if all(r is not request for r in stopped):
                 stopped.append(request)
-            self._emit_any(outputs, cols, request, EngineCoreOutput(
+            self._emit(cols, request, EngineCoreOutput(
                 rid, [], finish_reason=FinishReason.ERROR, stop_reason=request.stop_reason))
 
     def _update_request(self, request: Request, rid: str, new_token_ids: list[int],
-                        lp: Any, outputs: dict[int, list[EngineCoreOutput]],
-                        cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
+                        lp: Any, cols: dict[int, ColumnarOutputs],
+                        stopped: list[Request]) -> None:
         """A request that is not a plain decode: grammar, several tokens (spec
         decode), logprobs. Shared by both paths."""
         grammar = request.grammar
@@ -176,7 +168,7 @@ class SchedulerUpdate:
             request.status = RequestStatus.FINISHED_ERROR
             request.stop_reason = request.grammar_error
             stopped.append(request)
-            self._emit_finished(request, rid, [], outputs, cols)
+            self._emit_finished(request, rid, [], cols)
             return
         stop = False
         kept = 0
@@ -194,50 +186,36 @@ class SchedulerUpdate:
             new_logprobs = Logprobs(lp[0][:n], lp[1][:n], lp[2][:n])
         if stop:
             stopped.append(request)
-            self._emit_finished(request, rid, new_token_ids, outputs, cols, new_logprobs)
+            self._emit_finished(request, rid, new_token_ids, cols, new_logprobs)
             return
         out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
-        self._emit_any(outputs, cols, request, out)
+        self._emit(cols, request, out)
 
     def _emit_finished(self, request: Request, rid: str, new_token_ids: list[int],
-                       outputs: dict[int, list[EngineCoreOutput]],
                        cols: dict[int, ColumnarOutputs], new_logprobs: Any = None) -> None:
         out = EngineCoreOutput(
             rid, new_token_ids, new_logprobs, RequestStatus.finish_reason(request.status),
             request.stop_reason, max(request.num_cached_tokens, 0))
-        self._emit_any(outputs, cols, request, out)
-
-    def _emit_any(self, outputs: dict[int, list[EngineCoreOutput]],
-                  cols: dict[int, ColumnarOutputs], request: Request,
-                  out: EngineCoreOutput) -> None:
-        """An output object, into the columns or the object lists (whichever this
-        step builds)."""
-        if self.columnar_outputs:
-            self._emit_columnar(cols, request, out)
-        else:
-            self._emit(outputs, request, out)
+        self._emit(cols, request, out)
 
     @staticmethod
-    def _emit_columnar(cols: dict[int, ColumnarOutputs], request: Request,
-                       out: EngineCoreOutput) -> None:
+    def _emit(cols: dict[int, ColumnarOutputs], request: Request,
+              out: EngineCoreOutput) -> None:
+        """An output that is not a plain decode: the object, in its client's columns."""
         col = cols.get(request.client_index)
         if col is None:
             col = cols[request.client_index] = ColumnarOutputs()
         col.append_output(out)
 
-    @staticmethod
-    def _emit(outputs: dict[int, list[EngineCoreOutput]], request: Request,
-              out: EngineCoreOutput) -> None:
-        client_outputs = outputs.get(request.client_index)
-        if client_outputs is None:
-            outputs[request.client_index] = [out]
-        else:
-            client_outputs.append(out)
-
-    def take_pending_outputs(self) -> dict[int, EngineCoreOutputs]:
-        """Outputs owed outside a model step (aborts, rejections)."""
+    def take_pending_outputs(self) -> dict[int, ColumnarOutputs]:
+        """Outputs owed outside a model step (aborts, rejections), as step outputs are."""
         pending, self.pending_outputs = self.pending_outputs, {}
-        return {client: EngineCoreOutputs(outputs=outs) for client, outs in pending.items()}
+        result: dict[int, ColumnarOutputs] = {}
+        for client, owed in pending.items():
+            col = result[client] = ColumnarOutputs()
+            for out in owed:
+                col.append_output(out)
+        return result
 
     def _check_stop(self, request: Request) -> bool:
         n_out = len(request.output_token_ids)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from enginecore.config import EngineArgs
-from enginecore.entrypoints.cli_common import UserError, add_subcommand, user_errors
+from enginecore.entrypoints.cli_common import add_subcommand
 from enginecore.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
-from enginecore.entrypoints.openai.serving_models import LoRAModulePath, parse_lora_module
+from enginecore.entrypoints.openai.serving_models import parse_lora_module
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -58,35 +58,3 @@ def _serve(args: argparse.Namespace) -> int:
     from enginecore.entrypoints.openai.launcher import run_serve
 
     return run_serve(args)
-
-
-def engine_args_of(args: argparse.Namespace) -> EngineArgs:
-    """The EngineArgs of ``serve`` (the positional MODEL wins over --model;
-    --lora-modules turns LoRA on)."""
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise UserError(f"two models given ({args.model_tag!r} and --model "
-                            f"{args.model!r})")
-        args.model = args.model_tag
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
-    if args.api_server_count < 1:
-        raise UserError("--api-server-count must be >= 1")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise UserError("--max-queued-requests must be >= 0")
-    if args.shutdown_timeout < 0:
-        raise UserError("--shutdown-timeout must be >= 0")
-    with user_errors():
-        engine_args = EngineArgs.from_cli_args(args)
-    loras: list[LoRAModulePath] = args.lora_modules
-    if loras and not engine_args.enable_lora:
-        engine_args.enable_lora = True
-    return engine_args
-
-
-def process_capacity(args: argparse.Namespace, engine_args: EngineArgs) -> int | None:
-    """Sequences one API server process may hold (None: no bound)."""
-    if args.max_queued_requests is None:
-        return None
-    total = engine_args.max_num_seqs * engine_args.data_parallel_size + args.max_queued_requests
-    return max(1, -(-total // args.api_server_count))

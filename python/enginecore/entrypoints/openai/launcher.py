@@ -36,12 +36,44 @@ from typing import Any
 
 from enginecore.config import EngineArgs
 from enginecore.entrypoints.cli_common import EXIT_INTERRUPTED, UserError, user_errors
-from enginecore.entrypoints.openai.cli_args import engine_args_of, process_capacity
+from enginecore.entrypoints.openai.serving_models import LoRAModulePath
 
 logger = logging.getLogger("enginecore.serve")
 
 # How long the first process waits, beyond the drain, for an API server to exit.
 _EXIT_GRACE_S = 10.0
+
+
+def engine_args_of(args: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs of ``serve`` (the positional MODEL wins over --model;
+    --lora-modules turns LoRA on)."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UserError(f"two models given ({args.model_tag!r} and --model "
+                            f"{args.model!r})")
+        args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    if args.api_server_count < 1:
+        raise UserError("--api-server-count must be >= 1")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise UserError("--max-queued-requests must be >= 0")
+    if args.shutdown_timeout < 0:
+        raise UserError("--shutdown-timeout must be >= 0")
+    with user_errors():
+        engine_args = EngineArgs.from_cli_args(args)
+    loras: list[LoRAModulePath] = args.lora_modules
+    if loras and not engine_args.enable_lora:
+        engine_args.enable_lora = True
+    return engine_args
+
+
+def process_capacity(args: argparse.Namespace, engine_args: EngineArgs) -> int | None:
+    """Sequences one API server process may hold (None: no bound)."""
+    if args.max_queued_requests is None:
+        return None
+    total = engine_args.max_num_seqs * engine_args.data_parallel_size + args.max_queued_requests
+    return max(1, -(-total // args.api_server_count))
 
 
 def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
@@ -170,6 +202,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     args.port = socks[0].getsockname()[1]
     # Before any API server process imports prometheus_client (they are spawned).
     metrics_dir = tempfile.mkdtemp(prefix="enginecore-metrics-")
+    previous_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     stop = {"signal": None}
 
@@ -188,6 +221,12 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
         for s, handler in previous.items():
             signal.signal(s, handler)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        # The directory is gone: nothing started in this process later may use it
+        # (in-process callers, e.g. the CLI tests, would hand it to every server after).
+        if previous_metrics_dir is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_metrics_dir
         for sock in socks:
             sock.close()
         raise
