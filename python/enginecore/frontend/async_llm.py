@@ -250,7 +250,10 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (a parent's ``n`` children too): each stream ends with an
         output whose finish reason is "abort"; unknown ids are ignored."""
-        result = self.output_processor.abort_requests(request_id)
+        iteration = IterationStats() if self.metrics is not None else None
+        result = self.output_processor.abort_requests(request_id, iteration=iteration)
+        if self.metrics is not None:
+            self.metrics.record(iteration)
         if result.reqs_to_abort and not self.errored:
             await self.engine_core.abort_requests_async(result.reqs_to_abort)
 
