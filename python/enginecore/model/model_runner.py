@@ -321,7 +321,7 @@ class ModelRunner:
                 blocks = np.asarray(st.block_ids, dtype=np.int64)
                 positions.extend(range(c, c + n))
                 slots.extend((blocks[pos // bs] * bs + pos % bs).tolist())
-            if st.prompt_lp is not None and c < st.num_prompt - 1:
+            if st.prompt_lp is not None:  # (none to score in a one-token prompt)
                 end = min(c + n, st.num_prompt - 1)  # position p predicts token p + 1
                 prompt_rows.append((st, start, st.token_ids[c + 1:end + 1]))
             query_start[row + 1] = start + n
