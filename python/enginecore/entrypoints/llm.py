@@ -62,7 +62,9 @@ class LLM:
             max_model_len = self.client.engine.scheduler.max_model_len
         self.input_processor = InputProcessor(self.config, self.tokenizer, max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.log_stats)
-        self.metrics = FrontendMetrics(self.config.model_config.model) if self.log_stats else None
+        self.metrics = (FrontendMetrics(self.config.model_config.model,
+                                        spec_decode=self.config.speculative_config.enabled)
+                        if self.log_stats else None)
         self.supported_tasks: tuple[str, ...] = self.input_processor.supported_tasks
         self._ids = itertools.count()
 

@@ -65,7 +65,9 @@ class AsyncLLM:
         self.max_model_len = client.max_model_len
         self.input_processor = InputProcessor(config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
-        self.metrics = FrontendMetrics(config.model_config.model) if log_stats else None
+        self.metrics = (FrontendMetrics(config.model_config.model,
+                                        spec_decode=config.speculative_config.enabled)
+                        if log_stats else None)
         self._output_handler: asyncio.Task | None = None
         self._dead_error: BaseException | None = None
         self._shutdown = False

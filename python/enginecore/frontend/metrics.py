@@ -120,9 +120,12 @@ def _families_of(registry: CollectorRegistry) -> _Families:
 class FrontendMetrics:
     """Records one front-end's steps into the registry's collectors."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY,
+                 spec_decode: bool = False) -> None:
         self.model_name = model_name
         self.registry = registry
+        # Speculative decoding on: its counters exist (at 0) from an engine's first stats.
+        self.spec_decode = spec_decode
         f = self._f = _families_of(registry)
         mn = model_name
         self._ttft, self._itl, self._e2e = f.ttft.labels(mn), f.itl.labels(mn), f.e2e.labels(mn)
@@ -176,7 +179,14 @@ class FrontendMetrics:
             f.prefix_hits.labels(*labels).inc(pc.hits)
         totals = (s.num_preempted_total, s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
                   s.spec_num_drafts)
-        last = self._last_totals.get(engine_index, (0, 0, 0, 0))
+        last = self._last_totals.get(engine_index)
+        if last is None:  # an engine's first stats: its counters exist from now on, at 0
+            last = (0, 0, 0, 0)
+            for counter in (f.prefix_queries, f.prefix_hits, f.preemptions):
+                counter.labels(*labels)
+            if self.spec_decode:
+                for counter in (f.spec_drafts, f.spec_accepted, f.spec_num_drafts):
+                    counter.labels(*labels)
         for counter, now, before in zip((f.preemptions, f.spec_drafts, f.spec_accepted,
                                          f.spec_num_drafts), totals, last):
             if now > before:
