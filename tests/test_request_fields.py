@@ -242,7 +242,7 @@ def test_engine_refuses_out_of_vocab_fields(tiny_chat_model):
         assert field in res[rid]["stop_reason"]
 
 
-def test_fields_through_the_process_boundary(tiny_chat_model):
+def test_fields_through_the_process_boundary(tiny_chat_model, hot_path):
     """The multiprocess engine (msgpack both ways, native encoder) gives what the
     in-process engine gives."""
     ids_sp = [
@@ -252,12 +252,52 @@ def test_fields_through_the_process_boundary(tiny_chat_model):
         SamplingParams(max_tokens=6, bad_words=["Paris"], truncate_prompt_tokens=7, **GREEDY),
     ]
     prompts = [LONG_TEXT] * 3
-    with make_llm(tiny_chat_model) as local:
+    native = hot_path == "native"
+    with make_llm(tiny_chat_model, use_native=native) as local:
         want = local.generate(prompts, ids_sp, use_tqdm=False)
-    with make_llm(tiny_chat_model, multiprocess_mode=True) as remote:
+    with make_llm(tiny_chat_model, multiprocess_mode=True, use_native=native) as remote:
         got = remote.generate(prompts, ids_sp, use_tqdm=False)
     for w, g in zip(want, got):
         assert g.prompt_token_ids == w.prompt_token_ids
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.prompt_logprobs == w.prompt_logprobs
     assert got[0].prompt_logprobs is not None and len(got[2].prompt_token_ids) == 7
+
+
+def test_both_paths_agree_bit_for_bit(tiny_chat_model):
+    """Native and pure-Python hot paths (scheduler update, encoder, step loop,
+    kernels) give the same tokens, texts and logprobs for every new field."""
+    from enginecore import _native
+
+    params = [
+        SamplingParams(max_tokens=8, prompt_logprobs=3, logprobs=2, logit_bias={9: 2.5},
+                       **GREEDY),
+        SamplingParams(max_tokens=8, allowed_token_ids=[10, 11, 12, 40], temperature=1.0,
+                       seed=4, ignore_eos=True, n=2),
+        SamplingParams(max_tokens=8, bad_words=["Paris", "café"], truncate_prompt_tokens=9,
+                       **GREEDY),
+    ]
+    results = {}
+    previous = _native._enabled
+    try:
+        for path in ("native", "python"):
+            _native.set_native(path == "native")
+            with make_llm(tiny_chat_model, use_native=path == "native") as llm:
+                assert llm.output_processor.uses_native_loop == (path == "native")
+                outs = llm.generate([LONG_TEXT] * 3, params, use_tqdm=False)
+            results[path] = outs
+    finally:
+        _native._enabled = previous
+    # The model's native kernels (attention, fused norms) round differently from their
+    # torch twins, so logprob values agree to float precision; all else is exact.
+    for a, b in zip(results["native"], results["python"]):
+        assert a.prompt_token_ids == b.prompt_token_ids
+        assert [(c.token_ids, c.text) for c in a.outputs] == [(c.token_ids, c.text)
+                                                               for c in b.outputs]
+        if a.prompt_logprobs is not None:
+            assert_close_logprobs(a.prompt_logprobs, b.prompt_logprobs)
+            assert [{t: lp.rank for t, lp in e.items()} for e in a.prompt_logprobs[1:]] == \
+                [{t: lp.rank for t, lp in e.items()} for e in b.prompt_logprobs[1:]]
+        for ca, cb in zip(a.outputs, b.outputs):
+            if ca.logprobs is not None:
+                assert_close_logprobs([None, *ca.logprobs], [None, *cb.logprobs])
