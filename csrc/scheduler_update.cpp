@@ -410,6 +410,10 @@ void update_decodes(py::dict requests, py::dict scheduled, py::list sampled, py:
                  stopped_list.ptr(), emit_finished.ptr(), update_request.ptr(), last.p, col_ids,
                  col_toks);
     } catch (py::error_already_set& e) {
+      // Only an Exception is that request's failure; a BaseException (the
+      // engine's SIGTERM shutdown, KeyboardInterrupt, SystemExit) ends the loop
+      // as the Python twin's `except Exception` (sched/scheduler_update.py) does.
+      if (!e.matches(PyExc_Exception)) throw;
       failed.append(py::make_tuple(py::handle(rid), describe(e)));
       Py_XDECREF(last.p);  // the column cursor may be half set: start afresh
       last.p = nullptr;

@@ -118,8 +118,8 @@ def test_log_level_default():
 
 @pytest.mark.parametrize("argv, says", [
     (["generate", "hi", "--max-tokens", "-3"], "error: --max-tokens must be "),
-    (["generate", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
-    (["generate", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature must be a finite number in [0.0, inf), got -1.0"),
+    (["generate", "hi", "--top-p", "0"], "--top-p must be a finite number in (0.0, 1.0], got 0.0"),
     (["generate", "hi", "--max-tokens", "x"], "argument --max-tokens: invalid int value"),
     (["generate", "hi", "--dtype", "float99"], "unsupported dtype 'float99'"),
     (["generate", "hi", "--device", "tpu"], "unsupported device 'tpu'"),
@@ -231,15 +231,37 @@ def test_ctrl_c_while_generating():
 
 
 @pytest.mark.parametrize("after", [0.1, 3.0])
-def test_ctrl_c_headless_engines_starting_and_waiting(after):
+def test_ctrl_c_headless_engines_starting_and_waiting(after, tmp_path):
     """0.1 s after they were started the engine processes are still importing; at
     3 s they wait for the front-end's handshake. The engines ignore the terminal's
-    SIGINT and this process stops them."""
+    SIGINT and this process stops them. (The key file stands for a front-end that
+    has started and written this launch's CURVE keys.)"""
+    from enginecore.transport import make_keys, write_rank_keys
+
+    keys = write_rank_keys(make_keys(), str(tmp_path / "dp.keys"))
     port = free_port()
     code, err = interrupt(["--log-level", "info", "engine", "--headless", "--model",
-                           "synthetic", "-dp", "2", "-dpl", "1", "-dpr", "1", "-dpp", str(port)],
-                          wait_for="joining", after=after)
+                           "synthetic", "-dp", "2", "-dpl", "1", "-dpr", "1", "-dpp", str(port),
+                           "--zmq-curve-key-file", keys], wait_for="joining", after=after)
     assert_clean(code, err)
+
+
+def test_ctrl_c_headless_waiting_for_the_front_ends_keys(tmp_path):
+    """Ranks started before the front-end wait for its key file; Ctrl-C then is clean."""
+    port = free_port()
+    code, err = interrupt(["--log-level", "info", "engine", "--headless", "--model",
+                           "synthetic", "-dp", "2", "-dpl", "1", "-dpr", "1", "-dpp", str(port),
+                           "--zmq-curve-key-file", str(tmp_path / "later.keys")], after=3.0)
+    assert_clean(code, err)
+    assert "later.keys" in err
+
+
+def test_headless_without_the_front_ends_keys_is_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "never.keys")
+    assert run_main(["engine", "--headless", "--model", "synthetic", "-dpp", "29999",
+                     "--zmq-curve-key-file", missing, "--handshake-timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and missing in err, err
 
 
 _CLIENT_SCRIPT = """

@@ -145,9 +145,12 @@ def test_bounded_queue_answers_429_at_once(model_dir):
         streams = [Stream(srv.url, _long()) for _ in range(2)]
         for s in streams:
             wait_until(lambda s=s: len(s.events) >= 1, 30)
-        streams.append(Stream(srv.url, _long()))  # waits in the engine for a free slot
-        time.sleep(0.5)
+        # Stopped engines hold the two running (the tiny model would finish them in
+        # well under a second); the third is admitted and waits for a slot.
         _signal_all(engines, signal.SIGSTOP)
+        streams.append(Stream(srv.url, _long()))
+        time.sleep(0.5)
+        assert all(s.is_alive() for s in streams)
         t0 = time.monotonic()
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        timeout=10)

@@ -122,12 +122,28 @@ def test_bounds_and_a_pathological_constraint_through_llm_generate(llm):
         SamplingParams(max_tokens=2**63)
     sp = SamplingParams(max_tokens=4, temperature=0)
     sp.max_tokens = 2**63
-    with pytest.raises(ValueError, match=r"sampling_params\.max_tokens"):
+    with pytest.raises(ValueError, match=r"max_tokens must be an int in \[1, "):
         llm.generate("Hello", sp, use_tqdm=False)
+    # The front-end compiles the constraint as the engine would and refuses it at
+    # the caller (issue 12: nothing travels to the engine only to be dropped there);
+    # sent past the front-end, the engine refuses it alone (below).
+    slow = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        regex="a{100000}"))
+    with pytest.raises(ValueError, match="over the per-step budget"):
+        llm.generate("Say a:", slow, use_tqdm=False)
+    ids = llm.get_tokenizer().encode("Say a:")
+    llm.client.add_request(EngineCoreRequest("raw-slow", ids, slow))
+    llm.client.add_request(EngineCoreRequest("raw-sane", ids, SamplingParams(
+        max_tokens=3, temperature=0)))
+    finish = {}
+    while len(finish) < 2:
+        for o in llm.client.get_output().outputs:
+            if o.finish_reason is not None:
+                finish[o.request_id] = (str(o.finish_reason), o.stop_reason)
+    assert finish["raw-slow"][0] == "error" and "per-step budget" in finish["raw-slow"][1]
+    assert finish["raw-sane"][0] == "length"
     outs = llm.generate(["Say a:", "Digits:"], [
-        SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
-            regex="a{100000}")),
+        SamplingParams(max_tokens=8, temperature=0),
         SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(
             regex=r"\d{3}"))], use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error"
     assert len(outs[1].outputs[0].text) == 3 and outs[1].outputs[0].text.isdigit()

@@ -24,20 +24,26 @@ def run_headless(args: argparse.Namespace) -> int:
     from enginecore.config import EngineArgs
     from enginecore.core.engine_core_proc import run_engine_core
     from enginecore.interrupts import children_ignore_sigint
+    import msgspec
+
     from enginecore.transport import curve_wanted, default_key_file, read_rank_keys
 
     with user_errors():
         config = EngineArgs.from_cli_args(args).create_engine_config()
-    tc = config.transport_config
-    if curve_wanted(tc):
-        # The front-end's keys of this launch, out of band: ENGINECORE_CURVE_KEYS or
-        # the 0600 file it wrote (--zmq-curve-key-file, default by the RPC port).
-        path = tc.curve_key_file or default_key_file(config)
-        logger.info("reading the front-end's CURVE keys from %s", path)
-        tc.curve_keys = read_rank_keys(path, wait_s=args.handshake_timeout)
     pc = config.parallel_config
     if not pc.data_parallel_rpc_port:
         raise UserError("--data-parallel-rpc-port is needed: the front-end's handshake port")
+    tc = config.transport_config
+    try:
+        if curve_wanted(tc):
+            # The front-end's keys of this launch, out of band: ENGINECORE_CURVE_KEYS or
+            # the 0600 file it wrote (--zmq-curve-key-file, default by the RPC port).
+            path = tc.curve_key_file or default_key_file(config)
+            logger.info("reading the front-end's CURVE keys from %s (waiting up to %.0f s "
+                        "for it to write them)", path, args.handshake_timeout)
+            tc.curve_keys = read_rank_keys(path, wait_s=args.handshake_timeout)
+    except (RuntimeError, ValueError, OSError, msgspec.MsgspecError) as e:  # no keys / no CURVE: the operator's to fix
+        raise UserError(" ".join(str(e).split())) from e
     address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port}"
     ranks = range(pc.data_parallel_start_rank, pc.data_parallel_start_rank +
                   pc.data_parallel_size_local)
