@@ -226,6 +226,7 @@ class LLM:
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         *,
