@@ -167,3 +167,14 @@ def test_aborts_are_counted(tiny_chat_model, aloop):
 
 async def _shutdown(engine):
     engine.shutdown()
+
+
+def test_priority_per_prompt(tiny_chat_model):
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    with make_llm(tiny_chat_model, scheduling_policy="priority") as llm:
+        outs = llm.generate(["a", "b"], sp, use_tqdm=False, priority=[1, -1])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        with pytest.raises(TypeError, match="one value per prompt"):
+            llm.generate(["a", "b"], sp, use_tqdm=False, priority=1)
+    with make_llm(tiny_chat_model) as llm, pytest.raises(ValueError, match="priority"):
+        llm.generate(["a"], sp, use_tqdm=False, priority=[3])

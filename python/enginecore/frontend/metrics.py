@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -201,7 +200,3 @@ class FrontendMetrics:
                 if now > before:
                     f.spec_accepted_per_pos.labels(*labels, str(pos)).inc(now - before)
             self._last_per_pos[engine_index] = list(per_pos)
-
-    def collect(self) -> list[Any]:
-        """The enginecore metric families of the registry (``LLM.get_metrics()``)."""
-        return [fam for fam in self.registry.collect() if fam.name.startswith(PREFIX)]
