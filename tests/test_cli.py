@@ -183,12 +183,20 @@ def test_synthetic_runs_and_logs_stats_with_one_flag():
 
 # -- Ctrl-C: exit 130, no traceback, no ERROR -------------------------------------------------
 
+def _sigint_as_from_a_terminal() -> None:
+    # A suite started in the background by a non-interactive shell inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler; a command run
+    # from a terminal has the default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(argv: list[str], after: float | None = None, wait_for: str | None = None,
               script: list[str] | None = None) -> tuple[int, str]:
     """Start the command in its own process group, then SIGINT the whole group
     as a terminal's Ctrl-C does (its engine processes get it too)."""
     proc = subprocess.Popen(script or [*CLI, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_sigint_as_from_a_terminal)
     try:
         if wait_for is not None:
             deadline = time.monotonic() + 120

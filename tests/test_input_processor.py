@@ -133,12 +133,14 @@ def test_chat_template_variables_pass_through(ip):
     ([], {}, "non-empty list"),
     ([{"content": "x"}], {}, "role"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "not supported"),
+    ([{"role": "user"}], {}, "a 'user' message needs 'content'"),
     ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"messages": []}},
      "may not set"),
     ([{"role": "user", "content": "x"}], {"chat_template": "{{ raise_exception('no') }}"},
      "chat template error: no"),
 ])
 def test_bad_chats(ip, messages, kwargs, match):
+    # (an assistant turn may omit content: it carried tool calls)
     with pytest.raises(ValueError, match=match):
         ip.render_chat(messages, **kwargs)
 

@@ -312,6 +312,8 @@ class InputProcessor:
         return {"prompt": text,
                 "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
+
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI-shaped messages for a template: content given as a list of parts
@@ -334,5 +336,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             msg = {**msg, "content": "\n".join(texts)}
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a str or a list of text parts")
+        elif content is None and msg["role"] in _CONTENT_REQUIRED:
+            # OpenAI's schema: only an assistant turn (tool calls) may omit content.
+            raise ValueError(f"messages[{i}]: a {msg['role']!r} message needs 'content'")
         out.append(msg)
     return out
