@@ -134,6 +134,11 @@ def test_log_level_default():
     (["engine", "--headless", "--model", "synthetic"], "--data-parallel-rpc-port is needed"),
     (["synthetic", "--num-requests", "0"], "--num-requests and --prompt-len must be >= 1"),
     (["nosuch"], "invalid choice: 'nosuch'"),
+    (["serve", "/no/such/model", "--port", "0"], "model '/no/such/model' not found"),
+    (["serve", "--port", "99999"], "--port must be in [0, 65535]"),
+    (["serve", "--dtype", "float99", "--port", "0"], "unsupported dtype 'float99'"),
+    (["serve", "--api-server-count", "2", "--model", "/no/such/model", "--port", "0"],
+     "model '/no/such/model' not found"),
     (["generate", "hi", "--max-mode-len", "5"], "unrecognized arguments: --max-mode-len 5"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, says, capsys):

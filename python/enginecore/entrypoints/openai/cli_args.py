@@ -68,6 +68,8 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
             raise UserError(f"two models given ({args.model_tag!r} and --model "
                             f"{args.model!r})")
         args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
     if args.api_server_count < 1:
         raise UserError("--api-server-count must be >= 1")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from enginecore.config import EngineArgs
-from enginecore.entrypoints.cli_common import UserError
+from enginecore.entrypoints.cli_common import UserError, user_errors
 from enginecore.entrypoints.openai.cli_args import engine_args_of, process_capacity
 
 logger = logging.getLogger("enginecore.serve")
@@ -128,14 +128,18 @@ def _serve_one(args: argparse.Namespace, engine_args: EngineArgs, t0: float) -> 
     async def main() -> None:
         from enginecore.frontend import AsyncLLM
 
-        engine = AsyncLLM.from_engine_args(engine_args, log_stats=engine_args.log_stats)
+        with user_errors():  # a bad model path or setting: one line, exit 2
+            engine = AsyncLLM.from_engine_args(engine_args, log_stats=engine_args.log_stats)
         try:
             await _serve_with(engine, args, process_capacity(args, engine_args), sock,
                               lambda: _announce(args, t0, "serving"))
         finally:
             engine.shutdown()
 
-    _run_async(main())
+    try:
+        _run_async(main())
+    finally:
+        sock.close()  # uvicorn closes its own copy; this one if the engine never started
     return 0
 
 
@@ -175,8 +179,17 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     from enginecore.frontend import AsyncLLM
 
     # (log_stats is the engines' setting too: the API servers' gauges need their stats)
-    engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1,
-                                       log_stats=engine_args.log_stats)
+    try:
+        with user_errors():
+            engine = AsyncLLM.from_engine_args(engine_args, client_count=n + 1,
+                                               log_stats=engine_args.log_stats)
+    except BaseException:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        for sock in socks:
+            sock.close()
+        raise
     spawn = multiprocessing.get_context("spawn")
     # What the API server processes get (the subcommand's function does not pickle).
     worker_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
