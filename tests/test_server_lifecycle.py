@@ -137,6 +137,28 @@ def test_health_tells_a_stopped_and_a_killed_engine(model_dir, path):
         srv.stop()
 
 
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_ctrl_c_ends_the_server_with_130_and_no_error(model_dir, api_servers):
+    """Ctrl-C reaches every process of the terminal's group: the API servers drain
+    and exit, the engines ignore it and are stopped by their parent; exit 130 as
+    every enginecore command (SIGTERM: 0, above)."""
+    import psutil
+
+    srv = start(model_dir, "native", "--api-server-count", api_servers)
+    try:
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                          timeout=30).status_code == 200
+        group = [srv.proc.pid] + [c.pid for c in psutil.Process(srv.proc.pid).children(
+            recursive=True)]
+        _signal_all(group, signal.SIGINT)
+        code = srv.proc.wait(60)
+        out = srv.output()
+        assert code == 130, out
+        assert "Traceback" not in out and " ERROR " not in out, out
+    finally:
+        srv.stop()
+
+
 def test_bounded_queue_answers_429_at_once(model_dir):
     # max_num_seqs 2 + 1 queued: a fourth sequence is refused.
     srv = start(model_dir, "native", "--max-num-seqs", "2", "--max-queued-requests", "1")

@@ -180,7 +180,8 @@ def build_app(ctx: ServerContext, health: EngineHealth, metrics: MetricsEndpoint
 class _DrainingServer(uvicorn.Server):
     """uvicorn, with the drain deadline of the server's admission: on the first
     SIGTERM/SIGINT, in-flight requests get ``shutdown_timeout`` seconds, then are
-    aborted. The signal is not re-raised after a clean drain (exit code 0)."""
+    aborted. The signal is not re-raised after a clean drain: ``exit_signal``
+    says which one came (SIGTERM: exit 0; Ctrl-C: exit 130, as the CLI's)."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext,
                  shutdown_timeout: float) -> None:
@@ -188,6 +189,7 @@ class _DrainingServer(uvicorn.Server):
         self.ctx = ctx
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.exit_signal: int | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -199,6 +201,7 @@ class _DrainingServer(uvicorn.Server):
                 self.force_exit = True
             return
         self.should_exit = True
+        self.exit_signal = sig
         logger.info("signal %d: draining (%d sequences in flight, %.0f s)", sig,
                     self.ctx.admission.in_flight, self.shutdown_timeout)
         self.ctx.admission.draining = True
@@ -216,7 +219,8 @@ class _DrainingServer(uvicorn.Server):
 async def serve_http(app: Any, ctx: ServerContext, *, sock: socket.socket | None,
                      host: str, port: int, shutdown_timeout: float,
                      log_level: str = "info", on_started: Callable[[], None] | None = None
-                     ) -> None:
+                     ) -> int | None:
+    """Serve until a signal; the signal that ended it (None: none did)."""
     config = uvicorn.Config(app, host=host, port=port, http="httptools", loop="none",
                             lifespan="on", log_level=log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=int(shutdown_timeout) + 5,
@@ -230,3 +234,4 @@ async def serve_http(app: Any, ctx: ServerContext, *, sock: socket.socket | None
                 on_started()
         asyncio.ensure_future(announce())
     await server.serve(sockets=[sock] if sock is not None else None)
+    return server.exit_signal

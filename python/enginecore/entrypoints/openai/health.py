@@ -47,21 +47,28 @@ class EngineHealth:
 
     async def _run(self) -> None:
         waiting: asyncio.Future | None = None
-        while self.dead is None:
-            if waiting is None:
-                waiting = asyncio.ensure_future(self._ping())
-            done, _ = await asyncio.wait({waiting}, timeout=self.interval_s)
-            if not done:
-                continue  # still unanswered; the bound decides when that is unhealthy
-            try:
-                waiting.result()
-                self.last_answer = time.monotonic()
-            except EngineDeadError as e:
-                self.dead = str(e) or "the engine is dead"
-            except Exception as e:  # noqa: BLE001 - a failed ping is an unhealthy engine
-                logger.warning("health ping failed: %s", e)
-            waiting = None
-            await asyncio.sleep(self.interval_s)
+        try:
+            while self.dead is None:
+                if waiting is None:
+                    waiting = asyncio.ensure_future(self._ping())
+                done, _ = await asyncio.wait({waiting}, timeout=self.interval_s)
+                if not done:
+                    continue  # still unanswered; the bound decides when that is unhealthy
+                try:
+                    waiting.result()
+                    self.last_answer = time.monotonic()
+                except EngineDeadError as e:
+                    self.dead = str(e) or "the engine is dead"
+                except Exception as e:  # noqa: BLE001 - a failed ping is an unhealthy engine
+                    logger.warning("health ping failed: %s", e)
+                waiting = None
+                await asyncio.sleep(self.interval_s)
+        finally:
+            # Stopped (server shutdown) with a ping in flight: the client's shutdown
+            # fails it with EngineDeadError, which nobody is left to read.
+            if waiting is not None:
+                waiting.cancel()
+                waiting.add_done_callback(_read_outcome)
 
     def status(self) -> tuple[bool, str]:
         """(healthy, why not)."""
@@ -73,3 +80,8 @@ class EngineHealth:
         if age > self.bound_s:
             return False, f"the engine loop has not answered a ping for {age:.1f} s"
         return True, ""
+
+
+def _read_outcome(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

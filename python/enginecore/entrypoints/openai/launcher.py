@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from enginecore.config import EngineArgs
-from enginecore.entrypoints.cli_common import UserError, user_errors
+from enginecore.entrypoints.cli_common import EXIT_INTERRUPTED, UserError, user_errors
 from enginecore.entrypoints.openai.cli_args import engine_args_of, process_capacity
 
 logger = logging.getLogger("enginecore.serve")
@@ -99,11 +99,11 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
 
 
 async def _serve_with(engine: Any, args: argparse.Namespace, capacity: int | None,
-                      sock: socket.socket, on_started: Any) -> None:
+                      sock: socket.socket, on_started: Any) -> int | None:
     from enginecore.entrypoints.openai.api_server import serve_http
 
     ctx, app = build_server(engine, args, capacity)
-    await serve_http(app, ctx, sock=sock, host=args.host, port=args.port,
+    return await serve_http(app, ctx, sock=sock, host=args.host, port=args.port,
                      shutdown_timeout=args.shutdown_timeout,
                      log_level=args.uvicorn_log_level, on_started=on_started)
 
@@ -125,22 +125,22 @@ def _serve_one(args: argparse.Namespace, engine_args: EngineArgs, t0: float) -> 
     (sock,) = bind_sockets(args.host, args.port, 1)
     args.port = sock.getsockname()[1]  # --port 0: the one the kernel chose
 
-    async def main() -> None:
+    async def main() -> int | None:
         from enginecore.frontend import AsyncLLM
 
         with user_errors():  # a bad model path or setting: one line, exit 2
             engine = AsyncLLM.from_engine_args(engine_args, log_stats=engine_args.log_stats)
         try:
-            await _serve_with(engine, args, process_capacity(args, engine_args), sock,
-                              lambda: _announce(args, t0, "serving"))
+            return await _serve_with(engine, args, process_capacity(args, engine_args), sock,
+                                     lambda: _announce(args, t0, "serving"))
         finally:
             engine.shutdown()
 
     try:
-        _run_async(main())
+        ended_by = _run_async(main())
     finally:
         sock.close()  # uvicorn closes its own copy; this one if the engine never started
-    return 0
+    return EXIT_INTERRUPTED if ended_by == signal.SIGINT else 0
 
 
 def _api_worker(args: argparse.Namespace, handoff: Any, sock: socket.socket,
@@ -150,17 +150,18 @@ def _api_worker(args: argparse.Namespace, handoff: Any, sock: socket.socket,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_of(args)
 
-    async def main() -> None:
+    async def main() -> int | None:
         from enginecore.frontend import AsyncLLM
 
         engine = AsyncLLM.from_handoff(handoff, log_stats=engine_args.log_stats)
         try:
-            await _serve_with(engine, args, process_capacity(args, engine_args), sock,
-                              ready.set)
+            return await _serve_with(engine, args, process_capacity(args, engine_args), sock,
+                                     ready.set)
         finally:
             engine.shutdown()
 
-    _run_async(main())
+    if _run_async(main()) == signal.SIGINT:
+        sys.exit(EXIT_INTERRUPTED)  # the supervisor tells a Ctrl-C from a crash
 
 
 def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) -> int:
@@ -207,6 +208,8 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
         for sock in socks:
             sock.close()  # each API server holds its own now
         code = _supervise(procs, events, stop, args, t0)
+        if code == 0 and stop["signal"] == signal.SIGINT:
+            code = EXIT_INTERRUPTED
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -224,6 +227,10 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     return code
 
 
+# How an API server process that a signal drained exits (SIGTERM, Ctrl-C).
+_SIGNALLED_EXITS = (0, EXIT_INTERRUPTED)
+
+
 def _supervise(procs: list[Any], events: list[Any], stop: dict, args: argparse.Namespace,
                t0: float) -> int:
     """Wait for a signal (then drain every API server) or an API server's death
@@ -237,6 +244,12 @@ def _supervise(procs: list[Any], events: list[Any], stop: dict, args: argparse.N
             announced = True
             _announce(args, t0, f"{len(procs)} API servers serving")
         dead = [p for p in procs if not p.is_alive()]
+        if dead and all(p.exitcode in _SIGNALLED_EXITS for p in dead):
+            # A signal reached API servers before this process (a terminal's Ctrl-C
+            # goes to the whole group): the same stop, not a crash.
+            interrupted = any(p.exitcode == EXIT_INTERRUPTED for p in dead)
+            stop["signal"] = signal.SIGINT if interrupted else signal.SIGTERM
+            break
         if dead:
             for p in dead:
                 multiprocess.mark_process_dead(p.pid)
@@ -251,4 +264,9 @@ def _supervise(procs: list[Any], events: list[Any], stop: dict, args: argparse.N
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     codes = [p.exitcode for p in procs]
-    return 0 if all(c == 0 for c in codes) else 1
+    # -SIGTERM: ours reached a server that had drained on its own signal (a
+    # Ctrl-C) and already put back the default disposition on its way out.
+    if all(c in _SIGNALLED_EXITS or c == -signal.SIGTERM for c in codes):
+        return 0
+    logger.warning("API servers exited with codes %s after the drain", codes)
+    return 1
