@@ -220,6 +220,67 @@ def test_sampling_fields(client):
     assert penalized.choices[0].text != base.text
 
 
+def test_vllm_request_fields(client, http):
+    """logit_bias (string keys), allowed_token_ids, bad_words, prompt_logprobs,
+    truncate_prompt_tokens as vLLM's server takes them (extra body fields)."""
+    biased = greedy(client, "bias", n=6, logit_bias={"7": 100})
+    assert biased.choices[0].logprobs is None
+    ids = http.post("/tokenize", json={"prompt": "bias"}).json()["tokens"]
+    raw = http.post("/v1/completions", json={
+        "model": "tiny", "prompt": "bias", "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "logit_bias": {"7": 100}, "logprobs": 0}).json()
+    assert raw["choices"][0]["logprobs"]["tokens"] == [
+        http.post("/detokenize", json={"tokens": [7]}).json()["prompt"]] * 6
+    allowed = greedy(client, "allowed", n=8, extra_body={
+        "allowed_token_ids": [10, 11], "ignore_eos": True}, logprobs=0)
+    toks = [t for t in allowed.choices[0].logprobs.tokens]
+    texts = {http.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in (10, 11)}
+    assert set(toks) <= texts
+    # bad_words' semantics: test_request_fields.py; here: the field reaches the engine.
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    for prompt in ("words", "Hello there", "Bye", "abc", "stop test"):
+        first = greedy(client, prompt, n=2, logprobs=0, extra_body=as_ids)
+        tid = int(first.choices[0].logprobs.tokens[0].split(":")[1])
+        word = http.post("/detokenize", json={"tokens": [tid]}).json()["prompt"]
+        if word.strip() and http.post("/tokenize", json={
+                "prompt": word, "add_special_tokens": False}).json()["tokens"] == [tid]:
+            break
+    else:
+        pytest.fail("no greedy first token is a word of its own")
+    banned = greedy(client, prompt, n=2, logprobs=0,
+                    extra_body={"bad_words": [word], **as_ids})
+    assert banned.choices[0].logprobs.tokens[0] != f"token_id:{tid}"
+    with_plp = http.post("/v1/completions", json={
+        "model": "tiny", "prompt": ids, "max_tokens": 2, "prompt_logprobs": 1}).json()
+    plp = with_plp["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert all(str(t) in entry for t, entry in zip(ids[1:], plp[1:]))
+    assert all({"logprob", "rank", "decoded_token"} <= set(v)
+               for entry in plp[1:] for v in entry.values())
+    chat = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+    cut = http.post("/v1/completions", json={
+        "model": "tiny", "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 1}).json()
+    assert cut["usage"]["prompt_tokens"] == 1
+    # echo + logprobs: the prompt's logprobs lead (its first token's None), as vLLM's.
+    echo = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    lp = echo.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    for body, param in (({"logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"allowed_token_ids": [10 ** 6]}, None),
+                        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                        ({"truncate_prompt_tokens": 10 ** 6}, None)):
+        err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                         **body}), 400)
+        if param is not None:
+            assert err["param"] == param
+
+
 def test_structured_outputs(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
               "required": ["ok"], "additionalProperties": False}

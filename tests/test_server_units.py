@@ -98,11 +98,26 @@ def test_fields_map_to_sampling_params():
     assert sp.include_stop_str_in_output and sp.output_kind == RequestOutputKind.DELTA
     plain = to_sampling_params(_req(), max_tokens=None, logprobs=None, stream=False)
     assert (plain.temperature, plain.output_kind) == (1.0, RequestOutputKind.FINAL_ONLY)
-    for bad in (dict(use_beam_search=True), dict(best_of=3), dict(logit_bias={"5": 1.0}),
-                dict(top_p=2.0), dict(n=0)):
+    for bad in (dict(use_beam_search=True), dict(best_of=3), dict(logit_bias={"x": 1.0}),
+                dict(top_p=2.0), dict(n=0), dict(truncate_prompt_tokens=0),
+                dict(allowed_token_ids=[]), dict(prompt_logprobs=21)):
         with pytest.raises(APIError) as e:
             to_sampling_params(_req(**bad), max_tokens=4, logprobs=None, stream=False)
         assert e.value.status == 400
+    with pytest.raises(APIError, match="stream"):
+        to_sampling_params(_req(prompt_logprobs=1), max_tokens=4, logprobs=None, stream=True)
+
+
+def test_vllm_extra_fields_map_to_sampling_params():
+    """OpenAI's logit_bias has string keys and biases clamped to [-100, 100] (vLLM);
+    vLLM's extra fields pass through."""
+    sp = to_sampling_params(_req(logit_bias={"5": 1.5, "7": -300, "9": 250},
+                                 allowed_token_ids=[1, 2], bad_words=["no"],
+                                 prompt_logprobs=3, truncate_prompt_tokens=-1),
+                            max_tokens=4, logprobs=None, stream=False)
+    assert sp.logit_bias == {5: 1.5, 7: -100.0, 9: 100.0}
+    assert (sp.allowed_token_ids, sp.bad_words, sp.prompt_logprobs,
+            sp.truncate_prompt_tokens) == ([1, 2], ["no"], 3, -1)
 
 
 def test_structured_output_sources():

@@ -76,6 +76,8 @@ class ExecutorConfig:
     max_concurrent_batches: int = 1
     # SyntheticExecutor only: seconds each step takes.
     synthetic_step_latency_s: float = 0.0
+    # start_profile / stop_profile write torch profiler traces here (None: off).
+    profiler_dir: str | None = None
 
 
 @dataclass
@@ -266,6 +268,9 @@ class EngineArgs:
         "throughput, running / waiting requests and KV-cache usage every "
         "log_stats_interval_s (vLLM: on unless --disable-log-stats)")
     log_stats_interval_s: float = arg(10.0, G_STATS, "seconds between two stats lines")
+    profiler_dir: str | None = arg(
+        None, G_STATS, "directory for torch profiler traces of start_profile / stop_profile "
+        "(vLLM: VLLM_TORCH_PROFILER_DIR); off when unset")
     log_iteration_details: bool = arg(
         False, G_STATS, "log one line per engine step (prefill / decode requests and tokens, "
         "elapsed time); collects stats")
@@ -380,6 +385,7 @@ class EngineArgs:
                 backend=backend,  # type: ignore[arg-type]
                 max_concurrent_batches=self.max_concurrent_batches,
                 synthetic_step_latency_s=self.synthetic_step_latency_s,
+                profiler_dir=self.profiler_dir,
             ),
             use_native=self.use_native,
             log_stats=self.log_stats,

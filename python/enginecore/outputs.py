@@ -76,6 +76,10 @@ class RequestOutput(msgspec.Struct, gc=False):
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     lora_request: LoRARequest | None = None
+    # prompt_logprobs (vLLM's shape): None for the first prompt token, then per
+    # position token id -> Logprob (the prompt's token + the top-N). DELTA outputs
+    # carry it once, in the first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, other: RequestOutput, aggregate: bool) -> None:
         """Fold a later output of the same request into this one (a consumer that
@@ -85,6 +89,8 @@ class RequestOutput(msgspec.Struct, gc=False):
         self.finished = other.finished
         self.metrics = other.metrics
         self.num_cached_tokens = other.num_cached_tokens
+        if other.prompt_logprobs is not None:
+            self.prompt_logprobs = other.prompt_logprobs
         by_index = {c.index: i for i, c in enumerate(self.outputs)}
         for comp in other.outputs:
             i = by_index.get(comp.index)

@@ -74,6 +74,8 @@ class EngineCoreRequest(
     current_wave: NonNegInt64 = 0
     priority: Int64 = 0
     pooling_params: PoolingParams | None = None
+    # The request's EOS token (the front-end sets its tokenizer's); None: the model's.
+    eos_token_id: NonNegInt64 | None = None
 
 
 class _RequestIdOnly(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
@@ -156,6 +158,9 @@ class EngineCoreOutput(
     pooling_output: list[float] | None = None
     # log_stats: scheduling events since the request's last output (queue-time metrics).
     events: list[EngineCoreEvent] | None = None
+    # prompt_logprobs: rows for prompt positions 1..P-1 (row i: prompt token i+1
+    # first, then the top-N), sent once, with the request's first token.
+    new_prompt_logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -207,6 +212,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     # Speculative decoding, cumulative: drafts scheduled and drafts accepted.
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_drafts: int = 0
+    # accepted drafts by position in the draft (cumulative)
+    spec_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(

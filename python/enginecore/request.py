@@ -159,7 +159,7 @@ class Request:
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params or SamplingParams(),
-            eos_token_id,
+            req.eos_token_id if req.eos_token_id is not None else eos_token_id,
             client_index=req.client_index,
             arrival_time=req.arrival_time or None,
             priority=req.priority,

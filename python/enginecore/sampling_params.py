@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from typing import Annotated, Any
 
 import msgspec
@@ -26,6 +27,10 @@ NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Penalty = finite(ge=-2.0, le=2.0)
 RepetitionPenalty = finite(gt=0.0, le=10.0)
 NumSamples = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+LogitBias = finite()
+# -1: max_model_len (vLLM); 0 and below -1 are refused in __post_init__.
+TruncatePromptTokens = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -96,7 +101,13 @@ class SamplingParams(
     ``temperature`` below ``TEMPERATURE_FLOOR`` (1e-5; 0 included) means greedy.
     ``top_k`` of 0 or -1 disables top-k.
     ``logprobs=N`` returns the top-N logprobs (plus the sampled token's) at each
-    sampled position. Invalid values raise ``ValueError`` naming the field.
+    sampled position; ``prompt_logprobs=N`` the same at each prompt position after
+    the first (the request then skips the prefix cache: every prompt position is
+    computed). ``logit_bias`` adds a bias to the logits of token ids;
+    ``allowed_token_ids`` restricts sampling to those ids; ``bad_words_token_ids``
+    (filled by the front-end from ``bad_words``) bans the last token of each
+    sequence whose other tokens the output ends with. Invalid values raise
+    ``ValueError`` naming the field.
 
     The last group of fields is the front-end's (``enginecore.frontend``); the
     engine carries them but never reads them: ``n`` parallel samples (child
@@ -120,6 +131,10 @@ class SamplingParams(
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    logit_bias: dict[TokenId, LogitBias] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words_token_ids: list[list[TokenId]] | None = None
     # -- front-end fields (the engine ignores them) --
     n: NumSamples = 1
     stop: str | list[str] | None = None
@@ -127,6 +142,8 @@ class SamplingParams(
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
 
     def __post_init__(self) -> None:
         # The field annotations are the bounds (msgspec checks them on decode);
@@ -145,10 +162,35 @@ class SamplingParams(
         def bad(field: str, value: object, must: str) -> ValueError:
             return ValueError(f"SamplingParams.{field} must be {must}, got {value!r}")
 
+        self._validate_logits_fields(bad)
         self._validate_front_end_fields(bad)
+
+    def _validate_logits_fields(self, bad) -> None:
+        # Their numeric bounds are annotations (check_bounds; dict values below).
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise bad("logit_bias", bias, "a dict of token id -> bias")
+            for tid, value in bias.items():
+                if type(tid) is not int or tid < 0:
+                    raise bad("logit_bias", bias, "keyed by token ids (ints >= 0)")
+                if type(value) not in (int, float) or not math.isfinite(value):
+                    raise bad("logit_bias", bias, "finite numbers as biases")
+        allowed = self.allowed_token_ids
+        if allowed is not None and not allowed:
+            raise bad("allowed_token_ids", allowed, "a non-empty list (None allows all)")
+        words = self.bad_words_token_ids
+        if words is not None and not all(words):
+            raise bad("bad_words_token_ids", words, "non-empty token id lists")
 
     def _validate_front_end_fields(self, bad) -> None:
         # n: its bounds are its annotation (check_bounds).
+        if self.truncate_prompt_tokens == 0:
+            raise bad("truncate_prompt_tokens", 0, "an int >= 1 or -1 (max_model_len)")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, list)
+                or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise bad("bad_words", self.bad_words, "a list of non-blank strs")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

@@ -205,6 +205,9 @@ class EngineCore:
             )
         if min(prompt) < 0 or max(prompt) >= self._vocab_size:
             return f"prompt token ids must be in [0, {self._vocab_size})"
+        bad = _out_of_vocab(request, self._vocab_size)
+        if bad is not None:
+            return f"{bad} must be token ids in [0, {self._vocab_size}) (the model's vocabulary)"
         task = "embed" if request.pooling_params is not None else "generate"
         if task not in self._tasks:
             return f"this model does not support the {task!r} task; it supports {self._tasks}"
@@ -530,3 +533,20 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+
+
+def _out_of_vocab(request: EngineCoreRequest | Request, vocab: int) -> str | None:
+    """The first token-id field of a request (beyond its prompt) outside the vocabulary."""
+    sp = request.sampling_params
+    eos = request.eos_token_id
+    if eos is not None and eos >= vocab:
+        return "eos_token_id"
+    if sp is None:
+        return None
+    if sp.logit_bias and max(sp.logit_bias) >= vocab:
+        return "logit_bias keys"
+    if sp.allowed_token_ids and max(sp.allowed_token_ids) >= vocab:
+        return "allowed_token_ids"
+    if sp.bad_words_token_ids and max(max(w) for w in sp.bad_words_token_ids) >= vocab:
+        return "bad_words_token_ids"
+    return None

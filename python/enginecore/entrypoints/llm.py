@@ -21,6 +21,7 @@ from enginecore.config import EngineArgs
 from enginecore.frontend.async_llm import load_tokenizer
 from enginecore.frontend.input_processor import InputProcessor, PromptType
 from enginecore.frontend.metrics import FrontendMetrics, IterationStats
+from enginecore.frontend.metrics_reader import Metric, get_metrics_snapshot
 from enginecore.frontend.output_processor import OutputProcessor
 from enginecore.frontend.parallel_sampling import ParentRequest
 from enginecore.model.tokenizer import Tokenizer
@@ -61,18 +62,52 @@ class LLM:
             max_model_len = self.client.engine.scheduler.max_model_len
         self.input_processor = InputProcessor(self.config, self.tokenizer, max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.log_stats)
-        self.metrics = FrontendMetrics(self.config.model_config.model) if self.log_stats else None
+        self.metrics = (FrontendMetrics(self.config.model_config.model,
+                                        spec_decode=self.config.speculative_config.enabled)
+                        if self.log_stats else None)
         self.supported_tasks: tuple[str, ...] = self.input_processor.supported_tasks
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
-    def get_metrics(self) -> list[Any]:
-        """The enginecore prometheus metric families (needs disable_log_stats=False)."""
+    def get_metrics(self) -> list[Metric]:
+        """The server's metric set, read now, as vLLM's ``vllm.v1.metrics.reader``
+        returns it: Counter / Gauge / Histogram / Vector objects with ``name``,
+        ``labels`` and their value(s) (needs disable_log_stats=False)."""
         if self.metrics is None:
             raise RuntimeError("metrics are off: make the LLM with disable_log_stats=False")
-        return self.metrics.collect()
+        return get_metrics_snapshot(self.metrics.registry)
+
+    # -- engine utilities (vLLM's LLM methods) -----------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory: level 1 offloads the weights and drops the KV
+        cache, level 2 drops both; ``wake_up()`` restores them."""
+        self.client.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` freed; ``tags``: "weights" and/or "kv_cache" (all
+        when None)."""
+        self.client.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.client.call_utility("is_sleeping")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False while requests hold blocks."""
+        return self.client.call_utility("reset_prefix_cache")
+
+    def start_profile(self) -> None:
+        """Start the torch profiler in the engine (traces go to profiler_dir)."""
+        self.client.call_utility("profile", True)
+
+    def stop_profile(self) -> None:
+        self.client.call_utility("profile", False)
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call an allow-listed method on every worker of the engine; their results."""
+        return self.client.call_utility("collective_rpc", method, timeout, list(args), kwargs)
 
     # -- requests ------------------------------------------------------------------------
     def generate(
@@ -80,8 +115,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; ``sampling_params`` and ``lora_request``
+        are one for all prompts or a list with one per prompt (a prompt dict may carry
+        its own "lora_request"). Outputs come back in prompt order."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -93,7 +132,9 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         final = [msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                  if isinstance(sp, SamplingParams) else sp for sp in params]
-        return self._run_all(prompts, final, use_tqdm, lora_request)  # type: ignore[return-value]
+        return self._run_all(prompts, final, use_tqdm,  # type: ignore[return-value]
+                             _per_prompt(lora_request, len(prompts), "lora_request"),
+                             _per_prompt(priority, len(prompts), "priority", list_only=True))
 
     def embed(
         self,
@@ -104,7 +145,7 @@ class LLM:
         """Pooled vectors of the prompts (an embedding model, e.g. all-MiniLM-L6-v2)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         pp = pooling_params or PoolingParams()
-        results = self._run_all(prompts, [pp] * len(prompts), use_tqdm, None)
+        results = self._run_all(prompts, [pp] * len(prompts), use_tqdm, [None] * len(prompts))
         failed = [r for r in results if r.outputs is None]
         if failed:
             raise RuntimeError(f"{len(failed)} embedding requests failed: "
@@ -114,13 +155,15 @@ class LLM:
     encode = embed
 
     def _run_all(self, prompts: list[PromptType], params: list[Any], use_tqdm: bool,
-                 lora_request: LoRARequest | None) -> list[Any]:
+                 loras: list[LoRARequest | None],
+                 priorities: list[int | None] | None = None) -> list[Any]:
         # Everything is validated before anything is sent: one bad prompt sends nothing.
         prepared = []
-        for prompt, p in zip(prompts, params):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             rid = str(next(self._ids))
+            priority = priorities[i] if priorities and priorities[i] is not None else 0
             prepared.append((rid, *self.input_processor.process_inputs(
-                rid, prompt, p, lora_request=lora_request)))
+                rid, prompt, p, lora_request=lora, priority=priority)))
         order = []
         try:
             for rid, text, request in prepared:
@@ -128,8 +171,13 @@ class LLM:
                 self._add(rid, text, request)
             return self._collect(order, use_tqdm and len(order) > 1)
         except BaseException:
-            # Interrupted (Ctrl-C) or failed: nothing stays running in the engine.
+            # Interrupted (Ctrl-C) or failed: nothing stays running in the engine; the
+            # aborted requests are counted (finished "abort") like the server's.
             live = self.output_processor.engine_ids(order)
+            if self.metrics is not None and live:
+                iteration = IterationStats()
+                self.output_processor.abort_requests(order, iteration=iteration)
+                self.metrics.record(iteration)
             self.output_processor.discard(live)
             if live:
                 try:
@@ -179,16 +227,18 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
-        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate
+        (``lora_request``: one for all, or one per conversation). The first five
+        parameters are positional in vLLM's order."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = [
             self.input_processor.render_chat(
@@ -207,3 +257,18 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _per_prompt(value: Any, n: int, name: str, list_only: bool = False) -> list[Any]:
+    """One value for each of ``n`` prompts: a list must have ``n`` entries; a single
+    value (not with ``list_only``) is used for all; None: None for all."""
+    if value is None:
+        return [None] * n
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{len(value)} {name} values for {n} prompts (one per prompt)")
+        return list(value)
+    if list_only:
+        raise TypeError(f"{name} must be a list with one value per prompt, "
+                        f"got {type(value).__name__}")
+    return [value] * n

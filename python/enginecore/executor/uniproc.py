@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
+from enginecore.executor.profiler import TorchProfiler
 from enginecore.protocol import LoRARequest
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -64,6 +65,8 @@ class UniProcExecutor(Executor):
             ThreadPoolExecutor(1, thread_name_prefix="enginecore-model")
             if self._max_batches > 1 else None)
         self._lock = threading.Lock()
+        self._profiler = TorchProfiler(self.config.executor_config.profiler_dir,
+                                       self.config.parallel_config.data_parallel_rank)
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -155,6 +158,12 @@ class UniProcExecutor(Executor):
     def take_draft_token_ids(self) -> dict[str, list[int]]:
         """Drafts proposed after the last step (speculative decoding)."""
         return self.runner.take_draft_token_ids()
+
+    def profile(self, is_start: bool = True) -> None:
+        if is_start:
+            self._profiler.start()
+        else:
+            self._profiler.stop()
 
     # -- sleep mode ---------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

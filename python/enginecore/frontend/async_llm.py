@@ -65,7 +65,9 @@ class AsyncLLM:
         self.max_model_len = client.max_model_len
         self.input_processor = InputProcessor(config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
-        self.metrics = FrontendMetrics(config.model_config.model) if log_stats else None
+        self.metrics = (FrontendMetrics(config.model_config.model,
+                                        spec_decode=config.speculative_config.enabled)
+                        if log_stats else None)
         self._output_handler: asyncio.Task | None = None
         self._dead_error: BaseException | None = None
         self._shutdown = False
@@ -250,7 +252,10 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (a parent's ``n`` children too): each stream ends with an
         output whose finish reason is "abort"; unknown ids are ignored."""
-        result = self.output_processor.abort_requests(request_id)
+        iteration = IterationStats() if self.metrics is not None else None
+        result = self.output_processor.abort_requests(request_id, iteration=iteration)
+        if self.metrics is not None:
+            self.metrics.record(iteration)
         if result.reqs_to_abort and not self.errored:
             await self.engine_core.abort_requests_async(result.reqs_to_abort)
 

@@ -9,7 +9,12 @@ pooling), ``max_tokens`` against the room left (``None`` is resolved to that
 room), stop strings without a tokenizer, stop token ids, structured-output
 constraints that do not compile, LoRA (enabled, adapter config), the task
 (generate vs embed), priority without priority scheduling, the data-parallel
-rank, and seeds of ``n`` children.
+rank, seeds of ``n`` children, and the token-id fields (``logit_bias`` keys,
+``allowed_token_ids``, ``bad_words`` once tokenized) against the vocabulary.
+``truncate_prompt_tokens`` keeps the prompt's last k tokens here (-1: the
+maximum model length); ``bad_words`` become ``bad_words_token_ids`` here (vLLM:
+each word with and without a leading space); every request carries the
+tokenizer's EOS as its ``eos_token_id``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from enginecore.sampling_params import _MAX_SEED, SamplingParams
 from enginecore.sched.request_queue import SchedulingPolicy
 
 PromptType = str | dict[str, Any]
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "lora_request"})
 
 
 class InputProcessor:
@@ -121,6 +126,9 @@ class InputProcessor:
             raise ValueError(f"this model does not support the {task!r} task; it supports "
                              f"{self.supported_tasks}")
         text, ids, salt = self.tokenize_prompt(prompt)
+        lora_request = self._prompt_lora(prompt, lora_request)
+        if not pooling and params.truncate_prompt_tokens is not None:
+            ids = self._truncate(ids, params.truncate_prompt_tokens)
         salt = cache_salt if cache_salt is not None else salt
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty str, got {salt!r}")
@@ -142,8 +150,53 @@ class InputProcessor:
         request = EngineCoreRequest(
             request_id, ids, sp, time.time() if arrival_time is None else arrival_time,
             lora_request, salt, data_parallel_rank, priority=priority,
-            pooling_params=params if pooling else None)
+            pooling_params=params if pooling else None, eos_token_id=self._eos_token_id())
         return text, request
+
+    def _eos_token_id(self) -> int | None:
+        """The tokenizer's EOS (vLLM sets it per request); None: the engine's model's."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return eos if isinstance(eos, int) and 0 <= eos < self.vocab_size else None
+
+    @staticmethod
+    def _prompt_lora(prompt: PromptType, lora_request: LoRARequest | None
+                     ) -> LoRARequest | None:
+        """The adapter of a prompt dict's "lora_request" (it must agree with the
+        ``lora_request`` argument when both are given)."""
+        if not isinstance(prompt, dict) or prompt.get("lora_request") is None:
+            return lora_request
+        own = prompt["lora_request"]
+        if lora_request is not None and own != lora_request:
+            raise ValueError(f"the prompt's lora_request {own!r} differs from the "
+                             f"lora_request argument {lora_request!r}")
+        return own
+
+    def _truncate(self, ids: list[int], k: int) -> list[int]:
+        """The last ``k`` prompt tokens (vLLM: -1 is max_model_len; more is an error)."""
+        if k == -1:
+            k = self.max_model_len
+        elif k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than the maximum model "
+                             f"length ({self.max_model_len}); choose a smaller truncation size")
+        return ids[-k:]
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word without, then with a leading
+        space (the second only when it tokenizes to a different first token and the
+        same number of tokens, i.e. the space made a new word token)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this engine has none")
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                out.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        if not out:
+            raise ValueError(f"bad_words {words!r} tokenize to nothing")
+        return out
 
     def _check_sampling(self, params: SamplingParams, n: int) -> SamplingParams:
         room = self.max_model_len - n
@@ -164,6 +217,17 @@ class InputProcessor:
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         self._check_token_ids(sp.stop_token_ids, "stop_token_ids")
+        if sp.logit_bias:
+            self._check_token_ids(list(sp.logit_bias), "logit_bias keys")
+        if sp.allowed_token_ids is not None:
+            self._check_token_ids(sp.allowed_token_ids, "allowed_token_ids")
+        if sp.bad_words:
+            sp.bad_words_token_ids = self.bad_words_token_ids(sp.bad_words)
+            for word in sp.bad_words_token_ids:
+                self._check_token_ids(word, "bad_words tokens")
+        elif sp.bad_words_token_ids is not None:
+            for word in sp.bad_words_token_ids:
+                self._check_token_ids(word, "bad_words_token_ids")
         if sp.seed is not None and sp.seed + sp.n - 1 > _MAX_SEED:
             raise ValueError(f"seed {sp.seed} + n - 1 does not fit in 64 bits (child "
                              "requests use seed + index)")

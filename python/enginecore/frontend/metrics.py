@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -98,6 +97,11 @@ class _Families:
                                    "Speculative tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens",
                                      "Speculative tokens accepted.")
+        self.spec_num_drafts = counter("spec_decode_num_drafts",
+                                       "Speculative draft proposals verified.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by their position in the draft.", me + ["position"])
 
 
 _families: dict[int, _Families] = {}
@@ -115,9 +119,12 @@ def _families_of(registry: CollectorRegistry) -> _Families:
 class FrontendMetrics:
     """Records one front-end's steps into the registry's collectors."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY,
+                 spec_decode: bool = False) -> None:
         self.model_name = model_name
         self.registry = registry
+        # Speculative decoding on: its counters exist (at 0) from an engine's first stats.
+        self.spec_decode = spec_decode
         f = self._f = _families_of(registry)
         mn = model_name
         self._ttft, self._itl, self._e2e = f.ttft.labels(mn), f.itl.labels(mn), f.e2e.labels(mn)
@@ -127,7 +134,8 @@ class FrontendMetrics:
         self._prompt_tokens = f.prompt_tokens.labels(mn)
         self._generation_tokens = f.generation_tokens.labels(mn)
         # Engine totals are cumulative; counters take the increase since the last stats.
-        self._last_totals: dict[int, tuple[int, int, int]] = {}
+        self._last_totals: dict[int, tuple[int, ...]] = {}
+        self._last_per_pos: dict[int, list[int]] = {}
 
     def record(self, iteration: IterationStats | None, stats: SchedulerStats | None = None,
                engine_index: int = 0) -> None:
@@ -168,15 +176,27 @@ class FrontendMetrics:
             f.prefix_queries.labels(*labels).inc(pc.queries)
         if pc.hits:
             f.prefix_hits.labels(*labels).inc(pc.hits)
-        totals = (s.num_preempted_total, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
-        last = self._last_totals.get(engine_index, (0, 0, 0))
-        for counter, now, before in zip((f.preemptions, f.spec_drafts, f.spec_accepted),
-                                        totals, last):
+        totals = (s.num_preempted_total, s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
+                  s.spec_num_drafts)
+        last = self._last_totals.get(engine_index)
+        if last is None:  # an engine's first stats: its counters exist from now on, at 0
+            last = (0, 0, 0, 0)
+            for counter in (f.prefix_queries, f.prefix_hits, f.preemptions):
+                counter.labels(*labels)
+            if self.spec_decode:
+                for counter in (f.spec_drafts, f.spec_accepted, f.spec_num_drafts):
+                    counter.labels(*labels)
+        for counter, now, before in zip((f.preemptions, f.spec_drafts, f.spec_accepted,
+                                         f.spec_num_drafts), totals, last):
             if now > before:
                 counter.labels(*labels).inc(now - before)
         # A restarted engine starts from zero again: take its totals as the new base.
         self._last_totals[engine_index] = totals
-
-    def collect(self) -> list[Any]:
-        """The enginecore metric families of the registry (``LLM.get_metrics()``)."""
-        return [fam for fam in self.registry.collect() if fam.name.startswith(PREFIX)]
+        per_pos = s.spec_num_accepted_tokens_per_pos
+        if per_pos:
+            before_pos = self._last_per_pos.get(engine_index, [])
+            for pos, now in enumerate(per_pos):
+                before = before_pos[pos] if pos < len(before_pos) else 0
+                if now > before:
+                    f.spec_accepted_per_pos.labels(*labels, str(pos)).inc(now - before)
+            self._last_per_pos[engine_index] = list(per_pos)

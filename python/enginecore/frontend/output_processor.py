@@ -169,15 +169,15 @@ class OutputProcessor:
             out.extend(self._external.get(rid, ()))
         return out
 
-    def abort_requests(self, request_ids: str | Iterable[str],
-                       now: float | None = None) -> OutputProcessorOutput:
+    def abort_requests(self, request_ids: str | Iterable[str], now: float | None = None,
+                       iteration: IterationStats | None = None) -> OutputProcessorOutput:
         """Finish callers' requests here with finish reason "abort" (their final
-        output goes to their queue or into the result); returns the engine ids to
-        abort in ``reqs_to_abort``."""
+        output goes to their queue or into the result; ``iteration`` counts them as
+        finished); returns the engine ids to abort in ``reqs_to_abort``."""
         engine_ids = [r for r in self.engine_ids(request_ids) if r in self.request_states]
         result = self.process_outputs(
             [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in engine_ids],
-            now)
+            now, iteration)
         result.reqs_to_abort = engine_ids
         return result
 

@@ -25,7 +25,7 @@ def child_request_id(index: int, parent_id: str) -> str:
 class ParentRequest:
     __slots__ = ("request_id", "n", "output_kind", "queue", "prompt", "prompt_token_ids",
                  "lora_request", "child_ids", "num_unfinished", "final", "step_outputs",
-                 "touched", "metrics", "num_cached_tokens")
+                 "touched", "metrics", "num_cached_tokens", "prompt_logprobs")
 
     def __init__(self, request_id: str, params: SamplingParams, prompt: str | None,
                  prompt_token_ids: list[int], queue: object | None,
@@ -47,11 +47,14 @@ class ParentRequest:
         # The parent's timing (arrival of the caller's request; first token of any child).
         self.metrics = metrics
         self.num_cached_tokens = 0
+        # prompt_logprobs: computed by child 0 only (the prompt is the same for all).
+        self.prompt_logprobs: list | None = None
 
     @staticmethod
     def child_params(params: SamplingParams, index: int) -> SamplingParams:
         seed = None if params.seed is None else params.seed + index
-        return msgspec.structs.replace(params, n=1, seed=seed)
+        prompt_logprobs = params.prompt_logprobs if index == 0 else None
+        return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def streaming(self) -> bool:
@@ -79,8 +82,11 @@ def emit_parent_outputs(parents: list[ParentRequest], now: float, returned: list
         pm.last_token_ts = now
         if finished:
             pm.finished_ts = now
+        plp = parent.prompt_logprobs
+        if plp is not None and parent.output_kind == RequestOutputKind.DELTA:
+            parent.prompt_logprobs = None  # sent once
         out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps,
-                            finished, parent.num_cached_tokens, pm, parent.lora_request)
+                            finished, parent.num_cached_tokens, pm, parent.lora_request, plp)
         if parent.queue is not None:
             parent.queue.put(out)
         else:

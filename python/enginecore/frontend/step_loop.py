@@ -49,7 +49,7 @@ class RequestState:
                  "prompt_token_ids", "lora_request", "output_kind", "detok", "token_ids",
                  "sent_tokens", "tail", "ctx", "parts", "stop", "max_stop_len",
                  "include_stop", "min_tokens", "logprobs", "sent_logprobs",
-                 "cumulative_logprob", "metrics", "pooling", "token_text")
+                 "cumulative_logprob", "metrics", "pooling", "token_text", "prompt_logprobs")
 
     def __init__(self, request_id, external_id, index, parent, queue, prompt,
                  prompt_token_ids, lora_request, output_kind, detok, stop, include_stop,
@@ -79,6 +79,7 @@ class RequestState:
         self.metrics = metrics
         self.pooling = pooling
         self.token_text = token_text  # token id -> text (logprobs' decoded tokens)
+        self.prompt_logprobs = None  # set once, when the engine sends them
 
 
 def find_stop(window: str, check_from: int, stop: list[str]) -> tuple[str, int] | None:
@@ -171,6 +172,28 @@ def _logprobs(st, lps):
         out.append(entry)
         total += vals[0]
     st.cumulative_logprob = total
+
+
+def take_prompt_logprobs(st, lps):
+    """The engine's prompt logprobs as vLLM returns them (None for the first prompt
+    token, then token id -> Logprob per position), kept on the request, or on its
+    parent when n > 1 (shared by both twins: once per request)."""
+    text = st.token_text or _no_text
+    out = [None]
+    for ids, vals, rank in zip(lps.token_ids, lps.logprobs, lps.ranks):
+        entry = {ids[0]: Logprob(vals[0], rank, text(ids[0]))}
+        for r in range(1, len(ids)):
+            if ids[r] not in entry:
+                entry[ids[r]] = Logprob(vals[r], r, text(ids[r]))
+        out.append(entry)
+    if st.parent is not None:
+        st.parent.prompt_logprobs = out
+    else:
+        st.prompt_logprobs = out
+
+
+def _no_text(token_id):
+    return None
 
 
 def _completion(st, released, finish_name, stop_reason, finished):
@@ -274,6 +297,8 @@ def process_outputs(states, outputs, now, iteration):
                                                      aborts)
         if o.new_logprobs is not None and st.logprobs is not None:
             _logprobs(st, o.new_logprobs)
+        if o.new_prompt_logprobs is not None:
+            take_prompt_logprobs(st, o.new_prompt_logprobs)
         finished = finish is not None
         finish_name = None
         if finished:
@@ -288,8 +313,11 @@ def process_outputs(states, outputs, now, iteration):
         if parent is None:
             if comp is None:
                 continue
+            plp = st.prompt_logprobs
+            if plp is not None and st.output_kind == _DELTA:
+                st.prompt_logprobs = None  # sent once
             out = RequestOutput(st.external_id, st.prompt, st.prompt_token_ids, [comp],
-                                finished, o.num_cached_tokens, m, st.lora_request)
+                                finished, o.num_cached_tokens, m, st.lora_request, plp)
             if st.queue is not None:
                 st.queue.put(out)
             else:

@@ -13,7 +13,7 @@ output objects are shared with the Python twin. The module is not named
 from enginecore.frontend.detokenizer import ByteLevelDetokenizer
 from enginecore.frontend.parallel_sampling import emit_parent_outputs
 # Off the per-token path (once per request or rare): shared with the Python twin.
-from enginecore.frontend.step_loop import note_events, pooling_output
+from enginecore.frontend.step_loop import note_events, pooling_output, take_prompt_logprobs
 from enginecore.outputs import CompletionOutput, Logprob, RequestOutput
 from enginecore.protocol import FinishReason
 
@@ -53,6 +53,7 @@ cdef class RequestState:
     cdef public object metrics
     cdef public bint pooling
     cdef public object token_text
+    cdef public object prompt_logprobs
     # ByteLevel detokenizer, inlined: its byte table and its UTF-8 decoder's decode.
     cdef list _table
     cdef object _utf8_decode
@@ -316,6 +317,8 @@ def process_outputs(dict states, list outputs, double now, object iteration):
         lps = o.new_logprobs
         if lps is not None and st.logprobs is not None:
             _logprobs(st, lps)
+        if o.new_prompt_logprobs is not None:
+            take_prompt_logprobs(st, o.new_prompt_logprobs)
         finished = finish is not None
         finish_name = None
         if finished:
@@ -330,8 +333,11 @@ def process_outputs(dict states, list outputs, double now, object iteration):
         if parent is None:
             if comp is None:
                 continue
+            plp = st.prompt_logprobs
+            if plp is not None and st.output_kind == _DELTA:
+                st.prompt_logprobs = None  # sent once
             out = RequestOutput(st.external_id, st.prompt, st.prompt_token_ids, [comp],
-                                finished, o.num_cached_tokens, m, st.lora_request)
+                                finished, o.num_cached_tokens, m, st.lora_request, plp)
             if st.queue is not None:
                 st.queue.put(out)
             else:

@@ -25,18 +25,30 @@ from enginecore.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# prompt_logprobs: logits of at most this many prompt positions at once ([rows, vocab]
+# float32 each), so a long prompt never materialises all its logits.
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 class RequestState:
-    __slots__ = ("req_id", "token_ids", "num_prompt", "params", "block_ids", "lora_id")
+    __slots__ = ("req_id", "token_ids", "num_prompt", "params", "block_ids", "lora_id",
+                 "eos_token_id", "prompt_lp")
 
-    def __init__(self, req_id, token_ids, num_prompt, params, block_ids, lora_id=0) -> None:
+    def __init__(self, req_id, token_ids, num_prompt, params, block_ids, lora_id=0,
+                 eos_token_id=None) -> None:
         self.req_id = req_id
         self.token_ids: list[int] = token_ids
         self.num_prompt: int = num_prompt
         self.params: SamplingParams = params
         self.block_ids: list[int] = block_ids
         self.lora_id: int = lora_id
+        self.eos_token_id: int | None = eos_token_id
+        # prompt_logprobs gathered over the prefill's chunks: (ids, logprobs, ranks)
+        # rows; None when not asked for, or already sent (a request resumed after a
+        # preemption with outputs has sent them).
+        self.prompt_lp: tuple[list, list, list] | None = (
+            ([], [], []) if params.prompt_logprobs is not None and len(token_ids) == num_prompt
+            else None)
 
 
 class ModelRunner:
@@ -120,9 +132,10 @@ class ModelRunner:
             if new.lora_request is not None:
                 lora_id = new.lora_request.lora_int_id
                 self.lora_requests.setdefault(lora_id, new.lora_request)
+            eos = new.eos_token_id if new.eos_token_id is not None else self.eos_token_id
             reqs[new.req_id] = RequestState(new.req_id, list(new.token_ids),
                                             new.num_prompt_tokens, new.sampling_params,
-                                            list(new.block_ids), lora_id)
+                                            list(new.block_ids), lora_id, eos)
         cached = so.scheduled_cached_reqs
         for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
             if blocks:
@@ -139,15 +152,45 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         self._grammar_bitmask = so.grammar_bitmask
-        input_ids, positions, meta, groups, lora_ranges = self._prepare(so, computed)
+        input_ids, positions, meta, groups, lora_ranges, prompt_rows = self._prepare(so,
+                                                                                     computed)
         lora = self._lora_batch(lora_ranges) if lora_ranges else None
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
         req_ids = list(so.num_scheduled_tokens)
+        if prompt_rows:
+            self._gather_prompt_logprobs(hidden, prompt_rows)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs = None
         if groups:
             sampled, logprobs = self._sample(hidden, groups, req_ids)
-        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, logprobs)
+        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled,
+                                 logprobs, prompt_logprobs=self._finished_prompt_logprobs(groups)
+                                 if prompt_rows else None)
+
+    def _gather_prompt_logprobs(self, hidden: torch.Tensor,
+                                prompt_rows: list[tuple[RequestState, int, list[int]]]) -> None:
+        """Logprobs of this step's prompt positions (their next prompt token), a
+        bounded number of positions at a time, appended to each request's rows."""
+        assert self.model is not None
+        for st, first, targets in prompt_rows:
+            n = st.params.prompt_logprobs
+            acc = st.prompt_lp
+            assert acc is not None and n is not None
+            for s in range(0, len(targets), PROMPT_LOGPROBS_CHUNK):
+                tgt = targets[s:s + PROMPT_LOGPROBS_CHUNK]
+                idx = torch.arange(first + s, first + s + len(tgt), device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, idx)).float().cpu()
+                ids, vals, ranks = self.sampler.prompt_logprobs(logits, tgt, n)
+                acc[0].extend(ids), acc[1].extend(vals), acc[2].extend(ranks)
+
+    @staticmethod
+    def _finished_prompt_logprobs(groups) -> dict[str, tuple[list, list, list]] | None:
+        """The prompt logprobs of requests whose prefill ended this step (sent once)."""
+        done = {}
+        for _, _, st, _ in groups:
+            if st.prompt_lp is not None:
+                done[st.req_id], st.prompt_lp = st.prompt_lp, None
+        return done or None
 
     def _sample(self, hidden: torch.Tensor, groups, req_ids: list[str]):
         """Sample every position of every group; with drafts, keep the drafts the
@@ -163,7 +206,7 @@ class ModelRunner:
                 flat.append(first + j)
                 rows.append(SamplingRow(st.params, st.token_ids[: st.num_prompt],
                                         outputs + drafts[:j], len(st.token_ids) + j,
-                                        self.eos_token_id, masks.get(st.req_id)))
+                                        st.eos_token_id, masks.get(st.req_id)))
         idx = torch.tensor(flat, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
         out = self.sampler(logits, rows)
@@ -255,6 +298,8 @@ class ModelRunner:
         groups: list[tuple[int, int, RequestState, list[int]]] = []
         spec = so.scheduled_spec_decode_tokens
         lora_ranges: dict[int, list[int]] = {}
+        # prompt_logprobs: (state, flat index of its first position, next prompt tokens)
+        prompt_rows: list[tuple[RequestState, int, list[int]]] = []
         for row, (rid, n) in enumerate(so.num_scheduled_tokens.items()):
             st = reqs[rid]
             c = computed[rid]
@@ -276,6 +321,9 @@ class ModelRunner:
                 blocks = np.asarray(st.block_ids, dtype=np.int64)
                 positions.extend(range(c, c + n))
                 slots.extend((blocks[pos // bs] * bs + pos % bs).tolist())
+            if st.prompt_lp is not None:  # (none to score in a one-token prompt)
+                end = min(c + n, st.num_prompt - 1)  # position p predicts token p + 1
+                prompt_rows.append((st, start, st.token_ids[c + 1:end + 1]))
             query_start[row + 1] = start + n
             seq_lens[row] = c + n
             states.append(st)
@@ -293,7 +341,7 @@ class ModelRunner:
                                        table, bs, self.scratch_slot, dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, groups, lora_ranges)
+                meta, groups, lora_ranges, prompt_rows)
 
     @torch.inference_mode()
     def dummy_forward(self, num_tokens: int = 1) -> None:

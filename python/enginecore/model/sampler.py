@@ -1,5 +1,6 @@
-"""Token sampling for one step: penalties, greedy / temperature, top-k, top-p,
-min-p, per-request seeds, and top-N logprobs.
+"""Token sampling for one step: allowed token ids, bad words, logit bias,
+penalties, greedy / temperature, top-k, top-p, min-p, per-request seeds, and
+top-N logprobs (of sampled and of prompt positions).
 
 Seeded requests draw from a generator seeded by (seed, position), so a seed
 gives the same tokens whatever the batch around it, and after a preemption.
@@ -50,6 +51,7 @@ class Sampler:
         """logits [N, V] float32, one row per request that samples this step."""
         raw = logits
         logits = self._apply_bitmasks(logits, rows)
+        logits = self._apply_token_controls(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
         greedy_tokens = logits.argmax(dim=-1)
@@ -82,6 +84,37 @@ class Sampler:
         logits = logits.clone()
         idx = torch.tensor(which, dtype=torch.long)
         logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    @staticmethod
+    def _apply_token_controls(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """allowed_token_ids, bad words and logit_bias (vLLM's order). A bad word's
+        last token is banned when the output ends with the word's other tokens."""
+        which = [i for i, r in enumerate(rows)
+                 if r.params.allowed_token_ids is not None or r.params.logit_bias
+                 or r.params.bad_words_token_ids]
+        if not which:
+            return logits
+        logits = logits.clone()
+        V = logits.shape[1]
+        for i in which:
+            p, row = rows[i].params, logits[i]
+            if p.allowed_token_ids is not None:
+                keep = torch.zeros(V, dtype=torch.bool)
+                keep[torch.tensor([t for t in p.allowed_token_ids if t < V],
+                                  dtype=torch.long)] = True
+                row.masked_fill_(~keep, float("-inf"))
+            if p.bad_words_token_ids:
+                past = rows[i].output_ids
+                for word in p.bad_words_token_ids:
+                    k = len(word) - 1
+                    if k > len(past) or word[-1] >= V:
+                        continue
+                    if k == 0 or past[-k:] == word[:k]:
+                        row[word[-1]] = float("-inf")
+            if p.logit_bias:
+                ids = [t for t in p.logit_bias if t < V]
+                row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -172,6 +205,20 @@ class Sampler:
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
     # -- logprobs ------------------------------------------------------------------------
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, targets: list[int], n: int
+                        ) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """Logprobs of ``targets`` (the next prompt token of each row of ``logits``)
+        and the top-``n`` of each row: (token id rows, logprob rows, ranks)."""
+        lp = torch.log_softmax(logits, dim=-1)
+        tgt = torch.tensor(targets, dtype=torch.long)
+        tgt_lp = lp.gather(1, tgt[:, None])[:, 0]
+        ranks = ((lp > tgt_lp[:, None]).sum(dim=-1) + 1).tolist()
+        top_lp, top_ids = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+        ids = [[t, *row] for t, row in zip(targets, top_ids.tolist())]
+        vals = [[v, *row] for v, row in zip(tgt_lp.tolist(), top_lp.tolist())]
+        return ids, vals, ranks
+
     @staticmethod
     def _logprobs(raw, tokens, rows, want, out) -> None:
         idx = torch.tensor(want, dtype=torch.long)

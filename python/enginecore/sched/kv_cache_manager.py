@@ -37,9 +37,11 @@ class KVCacheManager:
         """The longest cached prefix of full blocks, and how many tokens it covers.
 
         At least the last prompt token is always recomputed: the model needs
-        its logits to sample.
+        its logits to sample. A request with prompt_logprobs computes every
+        prompt position (vLLM: it skips the prefix cache).
         """
-        if not self.enable_caching or request.pooling_params is not None:
+        if (not self.enable_caching or request.pooling_params is not None
+                or request.sampling_params.prompt_logprobs is not None):
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         get = self.block_pool.get_cached_block

@@ -24,6 +24,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    eos_token_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +78,9 @@ class ModelRunnerOutput:
     num_nans_in_logits: dict[str, int] | None = None
     # Pooling models: the pooled vector of each request that finished this step.
     pooler_output: list[list[float] | None] | None = None
+    # prompt_logprobs: req_id -> (token_ids rows, logprob rows, ranks) of the whole
+    # prompt, given in the step that samples the request's first token.
+    prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])

@@ -110,6 +110,8 @@ class Scheduler(SchedulerUpdate):
         self.num_preempted_total = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.spec_num_drafts = 0  # draft proposals verified (vLLM's num_drafts)
+        self.spec_num_accepted_per_pos: list[int] = []  # accepted at draft position i
         self.last_iteration: IterationDetails | None = None
         # Fault isolation (core/fault_isolation.py): while set, only these requests
         # are scheduled, to find which of a failed batch's requests make it raise.
@@ -360,6 +362,7 @@ class Scheduler(SchedulerUpdate):
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=r.lora_request,
+                eos_token_id=r.eos_token_id,
             )
             for r in scheduled_new
         ]
@@ -474,6 +477,8 @@ class Scheduler(SchedulerUpdate):
             iteration=self.last_iteration,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_accepted_tokens_per_pos=list(self.spec_num_accepted_per_pos),
         )
 
     def log_state(self) -> None:

@@ -36,6 +36,7 @@ class SchedulerUpdate:
         index_of = model_output.req_id_to_index
         logprobs = model_output.logprobs
         pooled = model_output.pooler_output
+        prompt_lps = model_output.prompt_logprobs
         spec = scheduler_output.scheduled_spec_decode_tokens
         in_flight = self.in_flight if self.track_in_flight else None
         owed_outputs = self.pending_outputs
@@ -53,7 +54,8 @@ class SchedulerUpdate:
 
         failed: list[tuple[str, str]] = []
         ext = _native.extension()
-        if ext is not None and not spec and logprobs is None and pooled is None:
+        if (ext is not None and not spec and logprobs is None and pooled is None
+                and prompt_lps is None):
             # Plain decodes: the per-request loop below, in C++ (csrc/scheduler_update.cpp).
             ext.update_decodes(
                 requests, scheduler_output.num_scheduled_tokens, sampled, model_output.req_ids,
@@ -87,9 +89,11 @@ class SchedulerUpdate:
                     request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
                     self.spec_num_draft_tokens += len(drafts)
                     self.spec_num_accepted_tokens += len(new_token_ids) - 1
+                    self._count_accepted_per_pos(len(drafts), len(new_token_ids) - 1)
                 if not new_token_ids:
                     continue
-                if (len(new_token_ids) == 1 and request.grammar is None
+                prompt_lp = None if prompt_lps is None else prompt_lps.get(rid)
+                if (len(new_token_ids) == 1 and request.grammar is None and prompt_lp is None
                         and (logprobs is None or logprobs[i] is None)):  # type: ignore[index]
                     # A plain decode (the loop csrc/scheduler_update.cpp runs natively).
                     request.append_output_token_ids(new_token_ids)
@@ -110,7 +114,7 @@ class SchedulerUpdate:
                 self._update_request(request, rid, new_token_ids,
                                      None if logprobs is None
                                      else logprobs[i],  # type: ignore[index]
-                                     cols, stopped)
+                                     cols, stopped, prompt_lp)
             except Exception as e:  # noqa: BLE001 - that request's failure only
                 failed.append((rid, f"{type(e).__name__}: {e}"))
                 last_client = -1
@@ -130,6 +134,14 @@ class SchedulerUpdate:
                 first = cols[0] = ColumnarOutputs()
             first.scheduler_stats = stats
         return cols
+
+    def _count_accepted_per_pos(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        per_pos = self.spec_num_accepted_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
     def _fail_updates(self, failed: list[tuple[str, str]],
                       cols: dict[int, ColumnarOutputs], stopped: list[Request]) -> None:
@@ -154,9 +166,9 @@ class SchedulerUpdate:
 
     def _update_request(self, request: Request, rid: str, new_token_ids: list[int],
                         lp: Any, cols: dict[int, ColumnarOutputs],
-                        stopped: list[Request]) -> None:
+                        stopped: list[Request], prompt_lp: Any = None) -> None:
         """A request that is not a plain decode: grammar, several tokens (spec
-        decode), logprobs. Shared by both paths."""
+        decode), logprobs, prompt logprobs (Python loop only). Shared by both paths."""
         grammar = request.grammar
         # A finished grammar allows only EOS, which it does not consume.
         if (grammar is not None and request.grammar_error is None and not grammar.is_stopped()
@@ -184,18 +196,23 @@ class SchedulerUpdate:
         if lp is not None:
             n = len(new_token_ids)
             new_logprobs = Logprobs(lp[0][:n], lp[1][:n], lp[2][:n])
+        prompt_logprobs = None if prompt_lp is None else Logprobs(*prompt_lp)
         if stop:
             stopped.append(request)
-            self._emit_finished(request, rid, new_token_ids, cols, new_logprobs)
+            self._emit_finished(request, rid, new_token_ids, cols, new_logprobs,
+                                prompt_logprobs)
             return
-        out = EngineCoreOutput(rid, new_token_ids, new_logprobs)
+        out = EngineCoreOutput(rid, new_token_ids, new_logprobs,
+                               new_prompt_logprobs=prompt_logprobs)
         self._emit(cols, request, out)
 
     def _emit_finished(self, request: Request, rid: str, new_token_ids: list[int],
-                       cols: dict[int, ColumnarOutputs], new_logprobs: Any = None) -> None:
+                       cols: dict[int, ColumnarOutputs], new_logprobs: Any = None,
+                       prompt_logprobs: Logprobs | None = None) -> None:
         out = EngineCoreOutput(
             rid, new_token_ids, new_logprobs, RequestStatus.finish_reason(request.status),
-            request.stop_reason, max(request.num_cached_tokens, 0))
+            request.stop_reason, max(request.num_cached_tokens, 0),
+            new_prompt_logprobs=prompt_logprobs)
         self._emit(cols, request, out)
 
     @staticmethod

@@ -202,8 +202,18 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     args.port = socks[0].getsockname()[1]
     # Before any API server process imports prometheus_client (they are spawned).
     metrics_dir = tempfile.mkdtemp(prefix="enginecore-metrics-")
-    previous_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    # Set for the API servers' spawn, taken back when serving ends: a caller of main() in
+    # this process (tests) must not keep pointing prometheus_client at the removed dir.
+    previous_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+
+    def forget_metrics_dir() -> None:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if previous_dir is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_dir
+
     stop = {"signal": None}
 
     def on_signal(sig: int, frame: Any) -> None:
@@ -220,13 +230,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
     except BaseException:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-        # The directory is gone: nothing started in this process later may use it
-        # (in-process callers, e.g. the CLI tests, would hand it to every server after).
-        if previous_metrics_dir is None:
-            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        else:
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_metrics_dir
+        forget_metrics_dir()
         for sock in socks:
             sock.close()
         raise
@@ -262,7 +266,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, t0: float) ->
         engine.shutdown()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        forget_metrics_dir()
     return code
 
 

@@ -70,6 +70,33 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], nu
     return out
 
 
+def echo_logprobs(prompt_ids: list[int], prompt_logprobs: list[dict[int, Any] | None],
+                  num_top: int, text_of: TokenText,
+                  completion: CompletionLogProbs) -> CompletionLogProbs:
+    """``echo`` with logprobs (vLLM): the prompt's tokens lead, the first with None
+    for its logprob and top list; ``completion``'s offsets shift past them."""
+    out = CompletionLogProbs([], [], [], [])
+    offset = 0
+    for tid, entry in zip(prompt_ids, prompt_logprobs):
+        if entry is None:
+            text = text_of(tid, None)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
+        one = completion_logprobs([tid], [entry], num_top, text_of, offset)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(out, name).extend(getattr(one, name))
+        offset += len(one.tokens[0])
+    out.tokens.extend(completion.tokens)
+    out.token_logprobs.extend(completion.token_logprobs)
+    out.top_logprobs.extend(completion.top_logprobs)
+    out.text_offset.extend(completion.text_offset)
+    return out
+
+
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Any]], num_top: int,
                   text_of: TokenText) -> ChatLogprobs:
     content = []

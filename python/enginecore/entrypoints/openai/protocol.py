@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from enginecore.outputs import Logprob
+
 # -- shared pieces --------------------------------------------------------------------
 
 
@@ -94,6 +96,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     cache_salt: str | None = None
     return_tokens_as_token_ids: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 # -- requests -------------------------------------------------------------------------
@@ -189,6 +195,9 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogProbs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # vLLM's: with prompt_logprobs, None for the first prompt token, then per position
+    # {token id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -238,6 +247,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

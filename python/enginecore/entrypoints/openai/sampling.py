@@ -3,8 +3,10 @@
 Shared by /v1/completions and /v1/chat/completions. Values are range-checked by
 ``SamplingParams`` itself (its ``ValueError`` becomes a 400 naming the field);
 this module only maps names, applies OpenAI's defaults and refuses what the
-engine cannot honour (beam search, logit_bias, two constraints at once) instead
-of silently ignoring it.
+engine cannot honour (beam search, two constraints at once) instead of silently
+ignoring it. ``logit_bias`` comes with string keys (OpenAI's JSON) and biases
+clamped to [-100, 100], as vLLM does; vLLM's extra fields ``allowed_token_ids``,
+``bad_words``, ``prompt_logprobs`` and ``truncate_prompt_tokens`` pass through.
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def to_sampling_params(
         raise bad_request("beam search is not supported", "use_beam_search")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", "best_of")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    if stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not available when stream=true",
+                          "prompt_logprobs")
     try:
         return _sampling_params(req, max_tokens, logprobs, stream)
     except (ValueError, TypeError) as e:
@@ -114,4 +117,24 @@ def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int 
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         structured_outputs=structured_outputs_of(req),
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        logit_bias=logit_bias_of(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words or None,
+        prompt_logprobs=req.prompt_logprobs,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
+
+
+def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) as token id -> bias in [-100, 100]."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id (an integer as a "
+                              "string)", "logit_bias") from None
+        out[token_id] = min(100.0, max(-100.0, float(value)))
+    return out

@@ -124,13 +124,14 @@ class OpenAIServingChat(OpenAIServing):
                 final = await until_disconnect(request, collect_final(stream))
             except BaseException as e:
                 raise engine_errors(e) from None
-            return self._response(request_id, model_name, num_top, echo, final, text_of)
+            return self._response(request_id, model_name, num_top, echo, final, text_of,
+                                  req.prompt_logprobs is not None)
         finally:
             if ticket is not None:
                 ticket.release()
 
     def _response(self, request_id: str, model: str, num_top: int | None, echo: str,
-                  final: Any, text_of: TokenText) -> Response:
+                  final: Any, text_of: TokenText, prompt_logprobs: bool = False) -> Response:
         check_finish_errors(final.outputs)
         if any(c.finish_reason == "abort" for c in final.outputs) and \
                 self.ctx.admission.draining:
@@ -148,7 +149,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = len(final.prompt_token_ids)
         body = ChatCompletionResponse(
             id=request_id, created=now(), model=model, choices=choices,
-            usage=UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens))
+            usage=UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens),
+            prompt_logprobs=final.prompt_logprobs if prompt_logprobs else None)
         return Response(_encode(body), media_type="application/json")
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, n: int,

@@ -1,6 +1,8 @@
 """/v1/completions: a string, a list of strings, a token-id list or a list of
 token-id lists; ``n`` samples per prompt (choice index = prompt * n + sample),
-``echo``, logprobs in the completions shape, SSE streaming."""
+``echo`` (with ``logprobs``: the prompt's logprobs lead, its first token's None,
+as vLLM's; not when streaming), ``prompt_logprobs``, logprobs in the completions
+shape, SSE streaming."""
 
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ from starlette.responses import Response
 
 from enginecore.entrypoints.openai.admission import Ticket
 from enginecore.entrypoints.openai.errors import APIError, bad_request, error_body
-from enginecore.entrypoints.openai.logprobs import TokenText, completion_logprobs
+from enginecore.entrypoints.openai.logprobs import (
+    TokenText,
+    completion_logprobs,
+    echo_logprobs,
+)
 from enginecore.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -71,12 +77,15 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name, lora = self.models.resolve(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which this server "
-                              "does not compute", "echo")
+        echo_logprobs = req.echo and req.logprobs is not None
+        if echo_logprobs and req.stream:
+            raise bad_request("echo with logprobs is not available when stream=true", "echo")
         prompts = parse_prompts(req.prompt)
         params = to_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                                     stream=req.stream)
+        if echo_logprobs:  # the echoed prompt's logprobs: at least as many as asked
+            params = msgspec.structs.replace(
+                params, prompt_logprobs=max(req.logprobs, params.prompt_logprobs or 0))
         request_id = self.new_request_id(req.request_id)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                        for i in range(len(prompts))]
@@ -149,8 +158,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 if req.logprobs is not None and comp.logprobs is not None:
                     logprobs = completion_logprobs(comp.token_ids, comp.logprobs, req.logprobs,
                                                    text_of, len(head))
-                choices.append(CompletionChoice(i * n + comp.index, head + comp.text, logprobs,
-                                                comp.finish_reason, comp.stop_reason))
+                    if req.echo and out.prompt_logprobs is not None:
+                        logprobs = echo_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                 req.logprobs, text_of, logprobs)
+                choices.append(CompletionChoice(
+                    i * n + comp.index, head + comp.text, logprobs, comp.finish_reason,
+                    comp.stop_reason,
+                    out.prompt_logprobs if req.prompt_logprobs is not None else None))
         body = CompletionResponse(
             id=request_id, created=now(), model=model, choices=choices,
             usage=UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens))
