@@ -257,7 +257,10 @@ def test_gil_is_free_while_the_engine_waits_on_the_model(hot_path):
             t.join()
     fraction = busy / alone
     print(f"\n{hot_path}: other thread ran {100 * fraction:.1f}% of its solo speed")
-    assert fraction > 0.9
+    # A loop holding the GIL through its waits leaves the other thread a few
+    # percent; one that releases it, 80-110 % here depending on the neighbours'
+    # load (a timing figure, so the bound only tells the two apart).
+    assert fraction > 0.5
 
 
 @settings(max_examples=200, deadline=None)
