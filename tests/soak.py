@@ -60,9 +60,9 @@ def expected_tokens(prompt: list[int], seed: int, max_tokens: int) -> list[int]:
     return [synthetic_token(s, len(prompt) + i, VOCAB) for i in range(max_tokens)]
 
 
-def run_soak(duration_s: float, seed: int = 0) -> SoakResult:
+def run_soak(duration_s: float, seed: int = 0, use_native: bool | None = None) -> SoakResult:
     rng = random.Random(seed)
-    cfg = EngineArgs(model="synthetic", block_size=4, max_model_len=256,
+    cfg = EngineArgs(model="synthetic", block_size=4, max_model_len=256, use_native=use_native,
                      num_gpu_blocks_override=512, synthetic_step_latency_s=0.001,
                      max_num_seqs=64).create_engine_config()
     first = SyncMPClient(cfg, SoakFaultExecutor, client_count=2)

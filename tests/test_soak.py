@@ -10,8 +10,9 @@ from soak import run_soak
 pytestmark = pytest.mark.slow
 
 
-def test_soak_short():
-    res = run_soak(25.0, seed=13)
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_soak_short(path):
+    res = run_soak(25.0, seed=13, use_native=path == "native")
     print(res)
     assert res.engine_deaths == 0
     assert res.lost == 0 and res.duplicates == 0 and res.wrong_tokens == 0, res
