@@ -30,10 +30,11 @@ from enginecore.entrypoints.openai.protocol import (
 from enginecore.entrypoints.openai.sampling import to_sampling_params
 from enginecore.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    answer,
     check_finish_errors,
     collect_final,
     engine_errors,
-    until_disconnect,
+    first_event,
 )
 from enginecore.entrypoints.openai.streaming import SSEResponse, sse_event
 
@@ -111,19 +112,12 @@ class OpenAIServingChat(OpenAIServing):
             # vLLM's echo: the last message, when it is the assistant's, leads the answer.
             echo = _text_of(last.content) if req.echo and last.role == "assistant" else ""
             if req.stream:
-                try:
-                    first = await until_disconnect(request, anext(stream))
-                except BaseException as e:
-                    await stream.aclose()
-                    raise engine_errors(e) from None
+                first = await first_event(request, stream)
                 body = self._stream(req, request_id, model_name, params.n, num_top, echo,
                                     first, stream, text_of, ticket)
                 ticket = None  # the stream releases it
                 return SSEResponse(body)
-            try:
-                final = await until_disconnect(request, collect_final(stream))
-            except BaseException as e:
-                raise engine_errors(e) from None
+            final = await answer(request, collect_final(stream))
             return self._response(request_id, model_name, num_top, echo, final, text_of,
                                   req.prompt_logprobs is not None)
         finally:

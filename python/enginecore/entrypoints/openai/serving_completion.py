@@ -32,9 +32,10 @@ from enginecore.entrypoints.openai.protocol import (
 from enginecore.entrypoints.openai.sampling import to_sampling_params
 from enginecore.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    answer,
     check_finish_errors,
     engine_errors,
-    until_disconnect,
+    first_event,
 )
 from enginecore.entrypoints.openai.streaming import SSEResponse, merge_streams, sse_event
 
@@ -91,39 +92,25 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        for i in range(len(prompts))]
         ticket = self.ctx.admission.admit(ids, len(prompts) * params.n)
         try:
-            streams = [self.engine.generate(self._prompt(p, req), params, rid,
+            streams = [self.engine.generate(self.engine_prompt(p, req.add_special_tokens),
+                                            params, rid,
                                             lora_request=lora, priority=req.priority,
                                             cache_salt=req.cache_salt)
                        for p, rid in zip(prompts, ids)]
             merged = merge_streams(streams)
             text_of = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
             if req.stream:
-                try:
-                    first = await until_disconnect(request, anext(merged))
-                except BaseException as e:
-                    await merged.aclose()
-                    raise engine_errors(e) from None
+                first = await first_event(request, merged)
                 body = self._stream(req, request_id, model_name, params.n, prompts, first,
                                     merged, text_of, ticket)
                 ticket = None  # the stream releases it
                 return SSEResponse(body)
-            try:
-                finals = await until_disconnect(request, self._collect(merged, len(prompts)))
-            except BaseException as e:
-                raise engine_errors(e) from None
+            finals = await answer(request, self._collect(merged, len(prompts)))
             return self._response(req, request_id, model_name, params.n, prompts, finals,
                                   text_of)
         finally:
             if ticket is not None:
                 ticket.release()
-
-    def _prompt(self, prompt: str | list[int], req: CompletionRequest) -> Any:
-        if isinstance(prompt, str):
-            if req.add_special_tokens:
-                return prompt
-            ids = self.require_tokenizer().encode(prompt, add_special_tokens=False)
-            return {"prompt": prompt, "prompt_token_ids": ids}
-        return {"prompt_token_ids": prompt}
 
     async def _collect(self, merged: AsyncIterator[tuple[int, Any]], count: int) -> list[Any]:
         finals: list[Any] = [None] * count

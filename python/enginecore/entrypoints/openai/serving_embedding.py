@@ -28,9 +28,8 @@ from enginecore.entrypoints.openai.serving_chat import render_chat
 from enginecore.entrypoints.openai.serving_completion import parse_prompts
 from enginecore.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    answer,
     collect_final,
-    engine_errors,
-    until_disconnect,
 )
 from enginecore.protocol import PoolingParams
 
@@ -68,12 +67,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         try:
             async def run_all() -> list[Any]:
                 return await asyncio.gather(*(
-                    collect_final(self.engine.encode(self._prompt(p, req), params, rid))
+                    collect_final(self.engine.encode(
+                        self.engine_prompt(p, req.add_special_tokens), params, rid))
                     for p, rid in zip(prompts, ids)))
-            try:
-                finals = await until_disconnect(request, run_all())
-            except BaseException as e:
-                raise engine_errors(e) from None
+            finals = await answer(request, run_all())
         finally:
             ticket.release()
         data = []
@@ -91,14 +88,6 @@ class OpenAIServingEmbedding(OpenAIServing):
                 data.append(EmbeddingData(i, vector))
         return _json(EmbeddingResponse(id=request_id, created=now(), model=model_name,
                                        data=data, usage=EmbeddingUsage(tokens, tokens)))
-
-    def _prompt(self, prompt: str | list[int], req: EmbeddingRequest) -> Any:
-        if isinstance(prompt, str):
-            if req.add_special_tokens:
-                return prompt
-            ids = self.require_tokenizer().encode(prompt, add_special_tokens=False)
-            return {"prompt": prompt, "prompt_token_ids": ids}
-        return {"prompt_token_ids": prompt}
 
 
 class OpenAIServingTokenization(OpenAIServing):

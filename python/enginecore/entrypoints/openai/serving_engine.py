@@ -68,6 +68,15 @@ class OpenAIServing:
             raise APIError(400, "this model has no tokenizer")
         return self.tokenizer
 
+    def engine_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> Any:
+        """A completion/embedding prompt (text or token ids) as the front-end takes it."""
+        if isinstance(prompt, str):
+            if add_special_tokens:
+                return prompt
+            ids = self.require_tokenizer().encode(prompt, add_special_tokens=False)
+            return {"prompt": prompt, "prompt_token_ids": ids}
+        return {"prompt_token_ids": prompt}
+
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, or 413 as soon as it is known to pass ``limit``."""
@@ -141,6 +150,24 @@ def engine_errors(err: BaseException) -> APIError:
         return value_error(err)
     logger.exception("request failed", exc_info=err)
     return APIError(500, f"internal error: {type(err).__name__}: {err}")
+
+
+async def answer(request: Request, work: Awaitable[T]) -> T:
+    """``until_disconnect(request, work)`` with the front-end's errors as the client's."""
+    try:
+        return await until_disconnect(request, work)
+    except BaseException as e:
+        raise engine_errors(e) from None
+
+
+async def first_event(request: Request, stream: Any) -> Any:
+    """A stream's first event (what decides between an SSE body and an error
+    answer); the stream is closed when there is none."""
+    try:
+        return await until_disconnect(request, anext(stream))
+    except BaseException as e:
+        await stream.aclose()
+        raise engine_errors(e) from None
 
 
 async def collect_final(stream: AsyncIterator[Any]) -> Any:
