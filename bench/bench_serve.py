@@ -85,27 +85,40 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
+class _RequestClock:
+    """One request's timing: time to first text, the gaps between text chunks."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.ttft: float | None = None
+        self.itls: list[float] = []
+
+    def text(self) -> None:
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.t0
+        else:
+            self.itls.append(now - self.last)
+        self.last = now
+
+    def result(self, tokens: int) -> RequestResult:
+        latency = time.perf_counter() - self.t0
+        return RequestResult(self.ttft if self.ttft is not None else latency, self.itls,
+                             latency, tokens)
+
+
 async def _one(client, model: str, prompt: list[int]) -> RequestResult:
-    t0 = time.perf_counter()
+    clock = _RequestClock()
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=OUTPUT_LEN, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    ttft = None
-    last = t0
-    itls: list[float] = []
     tokens = 0
     async for chunk in stream:
-        now = time.perf_counter()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].text:
-            if ttft is None:
-                ttft = now - t0
-            else:
-                itls.append(now - last)
-            last = now
-    end = time.perf_counter()
-    return RequestResult(ttft if ttft is not None else end - t0, itls, end - t0, tokens)
+            clock.text()
+    return clock.result(tokens)
 
 
 async def run_level(base_url: str, model: str, concurrency: int, vocab: int,
@@ -144,21 +157,14 @@ async def run_level_direct(engine, concurrency: int, vocab: int,
 
     async def one(p: list[int]) -> RequestResult:
         async with sem:
-            t0 = time.perf_counter()
-            ttft, last, itls, tokens = None, t0, [], 0
+            clock, tokens = _RequestClock(), 0
             async for out in engine.generate({"prompt_token_ids": p}, params,
                                              f"direct-{concurrency}-{next(ids)}"):
-                now = time.perf_counter()
                 comp = out.outputs[0]
                 tokens += len(comp.token_ids)
                 if comp.text:
-                    if ttft is None:
-                        ttft = now - t0
-                    else:
-                        itls.append(now - last)
-                    last = now
-            end = time.perf_counter()
-            return RequestResult(ttft if ttft is not None else end - t0, itls, end - t0, tokens)
+                    clock.text()
+            return clock.result(tokens)
 
     await one(todo[0][:8])
     t0 = time.perf_counter()
