@@ -442,6 +442,10 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """asyncio client: call it from one event loop."""
 
+    # Until _post_init: a start that fails shuts down, and shutdown reads these.
+    _queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._post_init()
