@@ -1,6 +1,8 @@
 // The KV block pool, twin of python/enginecore/sched/block_pool.py (PyBlockPool).
 #include "block_pool.h"
 
+#include "pyref.h"
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -152,10 +154,26 @@ py::object hash_or_none(const BlockPool& p, int32_t b) {
   return py::bytes(reinterpret_cast<const char*>(p.hash(b).b), 32);
 }
 
+}  // namespace
+
+int64_t block_id_of(py::handle h) {
+  // TypeError for a non-int or one past int64, as pybind11's int64_t argument
+  // (and PyBlockPool); never the cast_error (RuntimeError) of h.cast<int64_t>().
+  Ref v(PyNumber_Index(h.ptr()));
+  int overflow = 0;
+  const long long b = PyLong_AsLongLongAndOverflow(v.p, &overflow);
+  if (overflow != 0) throw py::type_error("block id must fit in int64");
+  if (b == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return b;
+}
+
+namespace {
+
+// Every id checked before any is used: a bad one changes nothing.
 std::vector<int32_t> ids_of(py::iterable ids, const BlockPool& p) {
   std::vector<int32_t> out;
   for (py::handle h : ids) {
-    const int64_t b = h.cast<int64_t>();
+    const int64_t b = block_id_of(h);
     p.check(b);
     out.push_back(static_cast<int32_t>(b));
   }
@@ -211,7 +229,7 @@ void bind_block_pool(py::module_& m) {
                                 std::to_string(end) + ") out of range");
         }
         for (int64_t i = start; i < end; ++i) {
-          const int64_t b = ids[i].cast<int64_t>();
+          const int64_t b = block_id_of(ids[i]);
           p.check(b);
           if (p.has_hash(static_cast<int32_t>(b))) continue;
           p.cache(static_cast<int32_t>(b), to_hash(hashes[i]));

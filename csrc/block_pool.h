@@ -2,6 +2,8 @@
 // queue and the hash -> block map over int block ids. The twin of
 // python/enginecore/sched/block_pool.py (PyBlockPool): same interface, same results.
 #pragma once
+#include <pybind11/pybind11.h>
+
 #include <cstdint>
 #include <cstring>
 #include <unordered_map>
@@ -72,5 +74,8 @@ class BlockPool {
   std::vector<uint8_t> has_hash_;
   std::unordered_map<Hash32, int32_t, Hash32Hasher> cached_;
 };
+
+// A Python block id as int64: TypeError for a non-int or one past int64.
+int64_t block_id_of(pybind11::handle h);
 
 }  // namespace enginecore

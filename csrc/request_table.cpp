@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "pyref.h"
 #include "sha256.h"
 
 namespace py = pybind11;
@@ -62,6 +63,12 @@ void RequestTable::release(int64_t slot) {
   r.request_id = py::none();
   free_.push_back(slot);
   --live_;
+}
+
+void check_hashable(const int64_t* begin, const int64_t* end) {
+  for (; begin != end; ++begin) {
+    if (*begin < 0 || *begin > 0xFFFFFFFFLL) throw py::value_error("token ids must be in [0, 2**32)");
+  }
 }
 
 void RequestTable::extend_hashes(Row& r) {
@@ -134,10 +141,17 @@ bool RequestTable::allocate(Row& r, int64_t num_new_tokens, int64_t num_new_comp
     throw py::value_error("num_new_tokens must be positive");
   }
   const int64_t bs = block_size_;
-  const int64_t num_computed = r.num_computed + num_new_computed;
+  // Sums saturate: counts near int64's end (a hostile caller's) must not wrap
+  // into small ones; every result they reach equals Python's exact ints.
+  const auto add = [](int64_t x, int64_t y) {
+    int64_t out;
+    return __builtin_add_overflow(x, y, &out) ? INT64_MAX : out;
+  };
+  const int64_t num_computed = add(r.num_computed, num_new_computed);
   const int64_t num_needed =
-      std::min(num_computed + num_new_tokens + num_lookahead, max_model_len);
-  const int64_t num_new = (num_needed + bs - 1) / bs - static_cast<int64_t>(r.blocks.size()) -
+      std::min(add(add(num_computed, num_new_tokens), num_lookahead), max_model_len);
+  const int64_t num_new = (num_needed / bs + (num_needed % bs > 0)) -
+                          static_cast<int64_t>(r.blocks.size()) -
                           static_cast<int64_t>(new_computed.size());
   int64_t num_revived = 0;
   for (int32_t b : new_computed) num_revived += p.ref_cnt(b) == 0;
@@ -151,7 +165,7 @@ bool RequestTable::allocate(Row& r, int64_t num_new_tokens, int64_t num_new_comp
     p.take(num_new, r.blocks);
     new_blocks.insert(new_blocks.end(), r.blocks.begin() + first, r.blocks.end());
   }
-  if (p.enable_caching()) cache_full(r, num_computed + num_new_tokens);
+  if (p.enable_caching()) cache_full(r, add(num_computed, num_new_tokens));
   return true;
 }
 
@@ -179,8 +193,22 @@ std::vector<int64_t> int_vector(py::handle seq) {
     }
     return out;
   }
-  for (py::handle h : py::reinterpret_borrow<py::iterable>(seq)) out.push_back(h.cast<int64_t>());
+  // Any other iterable: each item through __index__ (TypeError, OverflowError as
+  // for a list), never pybind11's cast_error (RuntimeError).
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(seq)) out.push_back(as_long(h.ptr()));
   return out;
+}
+
+// A row state field through pybind11's caster: TypeError when it does not fit,
+// as the same value passed to `add` would be refused.
+template <class T>
+T field(py::handle h, const char* name) {
+  try {
+    return h.cast<T>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(std::string("row state field ") + name + " has the wrong type (" +
+                         std::string(py::str(py::type::handle_of(h).attr("__name__"))) + ")");
+  }
 }
 
 py::list int_list(const int64_t* begin, const int64_t* end) {
@@ -241,29 +269,46 @@ int64_t import_row(RequestTable& t, py::handle state_obj) {
   if (py::len(s[18]) != 0) {
     throw py::value_error("a request that holds KV blocks cannot move to another table");
   }
+  // Checked as `add` checks its arguments, and for consistency: a state no
+  // export makes would leave a row the loops read out of bounds.
   auto r = std::make_unique<Row>();
+  if (!PyUnicode_Check(s[0].ptr())) throw py::type_error("row state field request_id is a str");
   r->request_id = s[0];
   r->tokens = int_vector(s[1]);
-  r->num_prompt = s[2].cast<int64_t>();
-  r->num_computed = s[3].cast<int64_t>();
-  r->status = s[4].cast<int32_t>();
-  r->client_index = s[5].cast<int64_t>();
-  r->max_tokens = s[6].cast<int64_t>();
-  r->min_tokens = s[7].cast<int64_t>();
-  r->eos_token_id = s[8].cast<int64_t>();
-  r->ignore_eos = s[9].cast<bool>();
+  r->num_prompt = field<int64_t>(s[2], "num_prompt");
+  r->num_computed = field<int64_t>(s[3], "num_computed");
+  r->status = field<int32_t>(s[4], "status");
+  r->client_index = field<int64_t>(s[5], "client_index");
+  r->max_tokens = field<int64_t>(s[6], "max_tokens");
+  r->min_tokens = field<int64_t>(s[7], "min_tokens");
+  r->eos_token_id = field<int64_t>(s[8], "eos_token_id");
+  r->ignore_eos = field<bool>(s[9], "ignore_eos");
   r->stop_token_ids = int_vector(s[10]);
   std::sort(r->stop_token_ids.begin(), r->stop_token_ids.end());
-  r->has_grammar = s[11].cast<bool>();
+  r->has_grammar = field<bool>(s[11], "has_grammar");
   r->spec = int_vector(s[12]);
-  r->priority = s[13].cast<int64_t>();
-  r->arrival_time = s[14].cast<double>();
+  r->priority = field<int64_t>(s[13], "priority");
+  r->arrival_time = field<double>(s[14], "arrival_time");
+  if (!PyBytes_Check(s[15].ptr())) throw py::type_error("row state field extra_keys is bytes");
   r->extra_keys = s[15].cast<std::string>();
-  r->hash_blocks = s[16].cast<bool>();
+  r->hash_blocks = field<bool>(s[16], "hash_blocks");
   for (py::handle h : py::reinterpret_borrow<py::iterable>(s[17])) {
     r->hashes.push_back(to_hash32(h));
   }
-  r->num_cached_blocks = s[19].cast<int64_t>();
+  r->num_cached_blocks = field<int64_t>(s[19], "num_cached_blocks");
+  const int64_t n_tok = static_cast<int64_t>(r->tokens.size());
+  if (r->num_prompt < 0 || r->num_prompt > n_tok) {
+    throw py::value_error("row state: num_prompt " + std::to_string(r->num_prompt) +
+                          " outside [0, " + std::to_string(n_tok) + "]");
+  }
+  if (r->num_computed < 0) throw py::value_error("row state: num_computed < 0");
+  if (r->num_cached_blocks != 0) {
+    throw py::value_error("row state: a row without blocks has no cached blocks");
+  }
+  if (static_cast<int64_t>(r->hashes.size()) > n_tok / t.block_size()) {
+    throw py::value_error("row state: more block hashes than full blocks");
+  }
+  if (r->hash_blocks) check_hashable(r->tokens.data(), r->tokens.data() + n_tok);
   return t.put(std::move(r));
 }
 
@@ -286,6 +331,9 @@ int64_t add_row(RequestTable& t, py::str request_id, py::handle prompt, int64_t 
   r->arrival_time = arrival_time;
   r->extra_keys = extra_keys;
   r->hash_blocks = hash_blocks;
+  // Every prompt token, the tail's too: a bad one is refused now, not when
+  // a later token fills its block.
+  if (hash_blocks) check_hashable(r->tokens.data(), r->tokens.data() + r->tokens.size());
   t.extend_hashes(*r);
   return t.put(std::move(r));
 }
@@ -365,7 +413,9 @@ void bind_request_table(py::module_& m) {
            py::arg("slot"))
       .def("append_token_ids", [](T& t, int64_t s, py::handle ids) {
         Row& r = t.row(s);
-        for (int64_t v : int_vector(ids)) r.tokens.push_back(v);
+        const std::vector<int64_t> v = int_vector(ids);
+        if (r.hash_blocks) check_hashable(v.data(), v.data() + v.size());  // before any is kept
+        r.tokens.insert(r.tokens.end(), v.begin(), v.end());
         t.extend_hashes(r);
       }, py::arg("slot"), py::arg("token_ids"))
       .def("check_stop", [](T& t, int64_t s, int64_t max_model_len) {

@@ -42,6 +42,9 @@ struct Row {
   int64_t num_cached_blocks = 0;
 };
 
+// ValueError unless every token fits block hashing's 4 bytes, [0, 2**32).
+void check_hashable(const int64_t* begin, const int64_t* end);
+
 class RequestTable {
  public:
   // `pool`: a BlockPool, or None for a table whose requests hold no blocks yet.

@@ -20,10 +20,18 @@ namespace py = pybind11;
 namespace enginecore {
 namespace {
 
+// A slot or list index as Python's list indexing takes it: through __index__
+// (TypeError otherwise), IndexError past Py_ssize_t (the twins index lists).
+Py_ssize_t as_index(PyObject* o) {
+  const Py_ssize_t v = PyNumber_AsSsize_t(o, PyExc_IndexError);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
 int64_t slot_of_request(PyObject* request) {
   static PyObject* name = PyUnicode_InternFromString("slot");  // immortal for the module
   Ref v(PyObject_GetAttr(request, name));
-  return as_long(v.p);
+  return as_index(v.p);
 }
 
 PyObject* new_int(long long v) {
@@ -42,6 +50,22 @@ bool contains(PyObject* set, PyObject* key) {
   const int hit = PySet_Contains(set, key);
   if (hit < 0) throw py::error_already_set();
   return hit != 0;
+}
+
+// `key in container` for any container (TypeError for None or a non-container).
+bool sequence_contains(PyObject* container, PyObject* key) {
+  const int hit = PySequence_Contains(container, key);
+  if (hit < 0) throw py::error_already_set();
+  return hit != 0;
+}
+
+// in_flight is a set (update_decodes discards from it) or None; anything else
+// would reach PySet_* as a bad internal call (SystemError).
+void check_in_flight(PyObject* in_flight, bool mutable_set) {
+  if (in_flight == Py_None) return;
+  if (mutable_set ? PySet_Check(in_flight) : PyAnySet_Check(in_flight)) return;
+  throw py::type_error(std::string("in_flight must be a ") + (mutable_set ? "set" : "set or frozenset") +
+                       " or None, got " + Py_TYPE(in_flight)->tp_name);
 }
 
 py::list int_list(const std::vector<int32_t>& v) {
@@ -82,6 +106,7 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
   PyObject* running = running_list.ptr();
   PyObject* skip = skip_obj.ptr();
   PyObject* in_flight = in_flight_obj.ptr();
+  check_in_flight(in_flight, false);
   const bool skip_is_set = PyAnySet_Check(skip);
   // Nothing to pass over (the common step): no lookup per request.
   const bool skip_none = skip_is_set && PySet_GET_SIZE(skip) == 0;
@@ -98,7 +123,7 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
     Row& r = t.row(s);
     PyObject* rid = r.request_id.ptr();
     if (!skip_none &&
-        (skip_is_set ? contains(skip, rid) : PySequence_Contains(skip, rid) == 1)) {
+        (skip_is_set ? contains(skip, rid) : sequence_contains(skip, rid))) {
       ++i;
       continue;
     }
@@ -231,7 +256,7 @@ void update_one(RequestTable& t, PyObject* rid, Py_ssize_t k, PyObject* slot_of,
     if (PyErr_Occurred()) throw py::error_already_set();
     return;
   }
-  Row& r = t.row(as_long(slot_obj));
+  Row& r = t.row(as_index(slot_obj));
   if (r.status != kRunning) return;  // aborted or preempted while its batch ran
   Py_ssize_t i = k;
   if (k >= PyList_GET_SIZE(req_ids) || PyList_GET_ITEM(req_ids, k) != rid) {
@@ -246,8 +271,7 @@ void update_one(RequestTable& t, PyObject* rid, Py_ssize_t k, PyObject* slot_of,
         if (PyErr_Occurred()) throw py::error_already_set();
         return;  // nothing sampled
       }
-      i = PyLong_AsSsize_t(idx);
-      if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
+      i = as_index(idx);
     }
   }
   if (i < 0 || i >= PyList_GET_SIZE(sampled)) throw py::index_error("list index out of range");
@@ -263,7 +287,9 @@ void update_one(RequestTable& t, PyObject* rid, Py_ssize_t k, PyObject* slot_of,
     return;
   }
   Ref tok(PySequence_GetItem(toks.p, 0));  // a list's item, or any sequence's
-  r.tokens.push_back(as_long(tok.p));
+  const int64_t token = as_long(tok.p);
+  if (r.hash_blocks) check_hashable(&token, &token + 1);  // refused before it is kept
+  r.tokens.push_back(token);
   t.extend_hashes(r);
   const int32_t why = t.check_stop(r, max_model_len);
   if (why != kNotStopped) {
@@ -292,6 +318,7 @@ void update_one(RequestTable& t, PyObject* rid, Py_ssize_t k, PyObject* slot_of,
 py::tuple update_decodes(RequestTable& t, py::dict slot_of, py::dict scheduled, py::list sampled,
                          py::list req_ids, py::dict index_of, py::object in_flight,
                          int64_t max_model_len) {
+  check_in_flight(in_flight.ptr(), true);
   py::dict plain;
   py::list deferred, finished, failed;
   int64_t last_client = -1;

@@ -8,8 +8,14 @@ picks the pair by the native switch; the scheduler never knows which it has.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import index
 
 from enginecore import _native
+from enginecore.sched.arg_checks import boolean, int64, int64_error
+
+# The native pool's ids are int32 (csrc/block_pool.h); a pool this large is an
+# operator's typo, refused before it allocates (the lists below are 40 bytes a block).
+MAX_BLOCKS = 1 << 30
 
 
 class PyBlockPool:
@@ -27,10 +33,14 @@ class PyBlockPool:
                  "_ref_cnt", "_hash", "_prev", "_next", "_head", "_tail", "_cached")
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        num_blocks = int64(num_blocks, "num_blocks")
+        enable_caching = boolean(enable_caching, "enable_caching")
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if num_blocks > MAX_BLOCKS:
+            raise ValueError("too many KV blocks")
         self.num_blocks = num_blocks
-        self.enable_caching = bool(enable_caching)
+        self.enable_caching = enable_caching
         self.num_evictions = 0
         self.num_free_blocks = num_blocks
         self._ref_cnt = [0] * num_blocks
@@ -52,7 +62,10 @@ class PyBlockPool:
 
     def get_cached_block(self, block_hash: bytes) -> int | None:
         """The block holding ``block_hash``, or None."""
-        return self._cached.get(block_hash)
+        block = self._cached.get(block_hash)
+        if block is None:
+            _check_hash(block_hash)
+        return block
 
     def ref_cnt(self, block_id: int) -> int:
         self._check(block_id)
@@ -78,6 +91,7 @@ class PyBlockPool:
     # -- changing --------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` from the front of the free queue, evicting their hashes."""
+        num_blocks = int64(num_blocks, "num_blocks")
         if num_blocks < 0:
             raise ValueError(f"asked for {num_blocks} blocks")
         if num_blocks > self.num_free_blocks:
@@ -106,8 +120,8 @@ class PyBlockPool:
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cache-hit blocks, reviving free ones."""
         ref = self._ref_cnt
-        for block in block_ids:
-            self._check(block)
+        # Every id checked first: a bad one changes nothing (as the native pool).
+        for block in self._checked(block_ids):
             if ref[block] == 0:
                 self._unlink(block)
             ref[block] += 1
@@ -116,8 +130,7 @@ class PyBlockPool:
         """Drop one reference from each block; those that reach zero join the
         back of the free queue in the given order (first given is evicted first)."""
         ref, nxt, prev, tail = self._ref_cnt, self._next, self._prev, self._tail
-        for block in ordered_block_ids:
-            self._check(block)
+        for block in self._checked(ordered_block_ids):
             if ref[block] <= 0:
                 raise RuntimeError(f"double free of block {block}")
             ref[block] -= 1
@@ -137,6 +150,7 @@ class PyBlockPool:
         the same prefix at once), the later one stays uncached: lookups find
         the first, and the duplicate is freed normally.
         """
+        start, end = int64(start, "start"), int64(end, "end")
         if start < 0 or end > len(block_ids) or end > len(block_hashes):
             raise IndexError(f"blocks [{start}, {end}) out of range")
         hashes, cached = self._hash, self._cached
@@ -146,8 +160,7 @@ class PyBlockPool:
             if hashes[block] is not None:
                 continue
             h = block_hashes[i]
-            if len(h) != 32:
-                raise ValueError(f"block hashes are 32 bytes, got {len(h)}")
+            _check_hash(h)
             if h not in cached:
                 hashes[block] = h
                 cached[h] = block
@@ -155,8 +168,7 @@ class PyBlockPool:
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Forget these blocks' hashes (their contents are not what the hash says)."""
         hashes, cached = self._hash, self._cached
-        for block in block_ids:
-            self._check(block)
+        for block in self._checked(block_ids):
             h = hashes[block]
             if h is not None:
                 if cached.get(h) == block:
@@ -182,7 +194,23 @@ class PyBlockPool:
 
     def _check(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
-            raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
+            raise (int64_error(block_id, "block id")
+                   or IndexError(f"block id {block_id} out of range [0, {self.num_blocks})"))
+
+    def _checked(self, block_ids: Iterable[int]) -> list[int]:
+        ids = [index(b) for b in block_ids]
+        n = self.num_blocks
+        for block in ids:
+            if not 0 <= block < n:
+                self._check(block)
+        return ids
+
+
+def _check_hash(block_hash: object) -> None:
+    if not isinstance(block_hash, bytes):
+        raise TypeError("block hashes are bytes")
+    if len(block_hash) != 32:
+        raise ValueError(f"block hashes are 32 bytes, got {len(block_hash)}")
 
 
 def block_pool_class() -> type:

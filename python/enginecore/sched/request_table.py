@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from operator import index
 from typing import Any
 
 from enginecore import _native
+from enginecore.sched.arg_checks import (
+    boolean, check_hashable, int32, int64, int64_error, number, token_list)
 from enginecore.sched.block_hash import chain_hashes_py
 from enginecore.sched.block_pool import PyBlockPool
 
@@ -74,12 +75,28 @@ class PyRequestTable:
             max_tokens: int, min_tokens: int, eos_token_id: int, ignore_eos: bool,
             stop_token_ids: Sequence[int], priority: int, arrival_time: float,
             extra_keys: bytes, hash_blocks: bool) -> int:
-        """A new row (status WAITING); its prompt's full blocks are hashed now."""
-        tokens = [index(t) for t in prompt_token_ids]
-        hashes = _hash(tokens, 0, self.block_size, None, extra_keys) if hash_blocks else []
+        """A new row (status WAITING); its prompt's full blocks are hashed now.
+        Arguments are checked as the native binding checks them (arg_checks.py);
+        with ``hash_blocks`` every prompt token must be in [0, 2**32)."""
+        _check_str(request_id, "request_id")
+        client_index = int64(client_index, "client_index")
+        max_tokens = int64(max_tokens, "max_tokens")
+        min_tokens = int64(min_tokens, "min_tokens")
+        eos_token_id = int64(eos_token_id, "eos_token_id")
+        ignore_eos = boolean(ignore_eos, "ignore_eos")
+        priority = int64(priority, "priority")
+        arrival_time = number(arrival_time, "arrival_time")
+        _check_bytes(extra_keys, "extra_keys")
+        hash_blocks = boolean(hash_blocks, "hash_blocks")
+        tokens = token_list(prompt_token_ids)
+        stops = frozenset(token_list(stop_token_ids))
+        hashes = []
+        if hash_blocks:
+            check_hashable(tokens)
+            hashes = _hash(tokens, 0, self.block_size, None, extra_keys)
         row = (request_id, tokens, len(tokens), 0, WAITING, client_index, max_tokens,
-               min_tokens, eos_token_id, bool(ignore_eos), frozenset(stop_token_ids), False,
-               [], priority, arrival_time, extra_keys, bool(hash_blocks), hashes, [], 0)
+               min_tokens, eos_token_id, ignore_eos, stops, False, [], priority,
+               arrival_time, extra_keys, hash_blocks, hashes, [], 0)
         return self._put(row)
 
     def export_row(self, slot: int) -> RowState:
@@ -100,22 +117,34 @@ class PyRequestTable:
         state = tuple(state)
         if len(state) != 20:
             raise ValueError(f"a row state has 20 fields, got {len(state)}")
-        if state[18]:
+        if len(state[18]) != 0:
             raise ValueError("a request that holds KV blocks cannot move to another table")
-        row = list(state)
-        row[1] = [index(t) for t in row[1]]
-        row[10] = frozenset(row[10])
-        row[12] = list(row[12])
-        row[17] = [bytes(h) for h in row[17]]
-        row[18] = []
-        return self._put(tuple(row))
+        # Checked as `add` checks its arguments, and for consistency: a state no
+        # export makes would leave a row the loops read out of bounds.
+        (rid, tokens, num_prompt, num_computed, status, client, max_tokens, min_tokens, eos,
+         ignore_eos, stops, has_grammar, spec, priority, arrival, extra, hash_blocks, hashes,
+         _, num_cached) = (check(value, f"row state field {name}")
+                           for (name, check), value in zip(_ROW_FIELDS, state))
+        if not 0 <= num_prompt <= len(tokens):
+            raise ValueError(f"row state: num_prompt {num_prompt} outside [0, {len(tokens)}]")
+        if num_computed < 0:
+            raise ValueError("row state: num_computed < 0")
+        if num_cached != 0:
+            raise ValueError("row state: a row without blocks has no cached blocks")
+        if len(hashes) > len(tokens) // self.block_size:
+            raise ValueError("row state: more block hashes than full blocks")
+        if hash_blocks:
+            check_hashable(tokens)
+        return self._put((rid, tokens, num_prompt, num_computed, status, client, max_tokens,
+                          min_tokens, eos, ignore_eos, stops, has_grammar, spec, priority,
+                          arrival, extra, hash_blocks, hashes, [], 0))
 
     def release(self, slot: int) -> None:
         """The row's request is gone: its slot is reused (its blocks must be freed)."""
-        self._check(slot)
-        if self.block_ids[slot]:
-            raise RuntimeError(f"slot {slot} still holds {len(self.block_ids[slot])} blocks")
-        with self._lock:
+        with self._lock:  # the check too: two releases of a slot must not both free it
+            self._check(slot)
+            if self.block_ids[slot]:
+                raise RuntimeError(f"slot {slot} still holds {len(self.block_ids[slot])} blocks")
             self.request_id[slot] = None
             self.tokens[slot] = []
             self.hashes[slot] = []
@@ -141,18 +170,20 @@ class PyRequestTable:
         return self.status[slot]
 
     def set_status(self, slot: int, status: int) -> None:
+        status = int32(status, "status")
         self._check(slot)
-        self.status[slot] = int(status)
+        self.status[slot] = status
 
     def get_num_computed_tokens(self, slot: int) -> int:
         self._check(slot)
         return self.num_computed[slot]
 
     def set_num_computed_tokens(self, slot: int, n: int) -> None:
+        n = int64(n, "n")
         self._check(slot)
         if n < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {n}")
-        self.num_computed[slot] = int(n)
+        self.num_computed[slot] = n
 
     def get_num_tokens(self, slot: int) -> int:
         self._check(slot)
@@ -180,11 +211,12 @@ class PyRequestTable:
 
     def set_spec_token_ids(self, slot: int, token_ids: Sequence[int]) -> None:
         self._check(slot)
-        self.spec[slot] = [index(t) for t in token_ids]
+        self.spec[slot] = token_list(token_ids)
 
     def set_has_grammar(self, slot: int, has_grammar: bool) -> None:
+        has_grammar = boolean(has_grammar, "has_grammar")
         self._check(slot)
-        self.has_grammar[slot] = bool(has_grammar)
+        self.has_grammar[slot] = has_grammar
 
     def get_block_hashes(self, slot: int) -> list[bytes]:
         self._check(slot)
@@ -204,16 +236,24 @@ class PyRequestTable:
 
     # -- tokens and stops ------------------------------------------------------------
     def append_token_ids(self, slot: int, token_ids: Sequence[int]) -> None:
-        """Append output tokens; the blocks they fill are hashed."""
+        """Append output tokens; the blocks they fill are hashed. With hashing,
+        a token outside [0, 2**32) is refused before any of them is kept."""
         self._check(slot)
-        toks = self.tokens[slot]
-        toks.extend([index(t) for t in token_ids])
+        new = token_list(token_ids)
+        if self.hash_blocks[slot]:
+            check_hashable(new)
+        self.tokens[slot].extend(new)
         self._extend_hashes(slot)
 
     def check_stop(self, slot: int, max_model_len: int) -> int:
         """Scheduler's stop checks on the last output token, in vLLM's order; a
         stopped row's status is set. NOT_STOPPED, STOP_LENGTH, STOP_EOS or STOP_TOKEN."""
+        max_model_len = int64(max_model_len, "max_model_len")
         self._check(slot)
+        return self._check_stop(slot, max_model_len)
+
+    def _check_stop(self, slot: int, max_model_len: int) -> int:
+        """check_stop on checked arguments (update_decodes_py's per-token call)."""
         toks = self.tokens[slot]
         n_out = len(toks) - self.num_prompt[slot]
         if len(toks) >= max_model_len or n_out >= self.max_tokens[slot]:
@@ -234,6 +274,7 @@ class PyRequestTable:
     def get_computed_blocks(self, slot: int, max_hit_blocks: int) -> list[int]:
         """The longest run of the row's leading block hashes the pool holds (at
         most ``max_hit_blocks``): those blocks' ids."""
+        max_hit_blocks = int64(max_hit_blocks, "max_hit_blocks")
         self._check(slot)
         get = self._pool().get_cached_block
         hits = []
@@ -250,8 +291,15 @@ class PyRequestTable:
         """KVCacheManager.allocate_slots for this row: the new block ids, or None
         (changing nothing) when the pool has too few free blocks. Blocks that
         become full of computed tokens are registered in the prefix cache."""
+        num_new_tokens = int64(num_new_tokens, "num_new_tokens")
+        num_new_computed_tokens = int64(num_new_computed_tokens, "num_new_computed_tokens")
+        num_lookahead_tokens = int64(num_lookahead_tokens, "num_lookahead_tokens")
+        max_model_len = int64(max_model_len, "max_model_len")
         self._check(slot)
         pool = self._pool()
+        new_computed_blocks = token_list(new_computed_blocks)  # ints, as the native list
+        for b in new_computed_blocks:
+            pool.ref_cnt(b)  # IndexError for an id outside the pool, before any change
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("token counts must be >= 0")
         if num_new_tokens == 0 and not new_computed_blocks:
@@ -285,6 +333,7 @@ class PyRequestTable:
     def uncache_from(self, slot: int, num_tokens: int) -> None:
         """The row's tokens from ``num_tokens`` on were never computed (their step
         failed): its blocks past that point leave the prefix cache."""
+        num_tokens = int64(num_tokens, "num_tokens")
         self._check(slot)
         blocks = self.block_ids[slot]
         if not blocks:
@@ -349,7 +398,41 @@ class PyRequestTable:
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < len(self.request_id) or self.request_id[slot] is None:
-            raise IndexError(f"no request in slot {slot}")
+            raise int64_error(slot, "slot") or IndexError(f"no request in slot {slot}")
+
+
+def _check_str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
+def _check_bytes(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes):
+        raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
+    return value
+
+
+def _check_hashes(hashes: Any, name: str) -> list[bytes]:
+    hashes = list(hashes)
+    for h in hashes:
+        if not isinstance(h, bytes) or len(h) != 32:
+            raise ValueError("block hashes are 32 bytes")
+    return hashes
+
+
+# How import_row checks each field of a row state: as `add` checks its arguments
+# (and as the native import_row converts them), in export_row's order.
+_ROW_FIELDS = (
+    ("request_id", _check_str), ("tokens", lambda v, _: token_list(v)),
+    ("num_prompt", int64), ("num_computed", int64), ("status", int32),
+    ("client_index", int64), ("max_tokens", int64), ("min_tokens", int64),
+    ("eos_token_id", int64), ("ignore_eos", boolean),
+    ("stop_token_ids", lambda v, _: frozenset(token_list(v))), ("has_grammar", boolean),
+    ("spec", lambda v, _: token_list(v)), ("priority", int64), ("arrival_time", number),
+    ("extra_keys", _check_bytes), ("hash_blocks", boolean), ("hashes", _check_hashes),
+    ("block_ids", lambda v, _: v), ("num_cached_blocks", int64),
+)
 
 
 def _hash(tokens: list[int], start: int, block_size: int, parent: bytes | None,

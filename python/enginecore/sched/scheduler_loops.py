@@ -20,6 +20,8 @@ from operator import index
 from typing import Any, NamedTuple
 
 from enginecore import _native
+from enginecore.sched.arg_checks import (
+    HASHABLE_MAX, boolean, check_hashable, int64, token_list)
 from enginecore.sched.request_table import (
     PREEMPTED, RUNNING, STOP_TOKEN, PyRequestTable)
 
@@ -78,6 +80,15 @@ def schedule_running_py(table: PyRequestTable, running: list, skip: Any, in_flig
     """Schedule the running requests in order while the token budget lasts.
     ``skip``: ids passed over this step (in flight, or not probed); ``in_flight``:
     ids a preemption must spare (or None). Preempted requests leave ``running``."""
+    # The native binding's argument checks, before anything changes.
+    _check_arg(table, PyRequestTable, "table")
+    _check_arg(running, list, "running")
+    _check_in_flight(in_flight, (set, frozenset))
+    token_budget = int64(token_budget, "token_budget")
+    threshold = int64(threshold, "threshold")
+    max_len_1 = int64(max_len_1, "max_len_1")
+    max_model_len = int64(max_model_len, "max_model_len")
+    priority = boolean(priority, "priority")
     tokens, num_computed, spec_col, rids = (table.tokens, table.num_computed, table.spec,
                                             table.request_id)
     blocks_col, cached_col, hashes_col = table.block_ids, table.num_cached_blocks, table.hashes
@@ -93,6 +104,8 @@ def schedule_running_py(table: PyRequestTable, running: list, skip: Any, in_flig
         request = running[i]
         s = request.slot
         rid = rids[s]
+        if rid is None:
+            table._check(s)  # a released row: IndexError, as the native loop
         if rid in skip:
             i += 1
             continue
@@ -176,6 +189,13 @@ def update_decodes_py(table: PyRequestTable, slot_of: dict, scheduled: dict, sam
     live request id -> slot). A request that is not running any more (aborted,
     preempted while its batch ran) is passed over; one whose update raises is
     reported in ``failed`` and the rest go on."""
+    _check_arg(table, PyRequestTable, "table")
+    for arg, name in ((slot_of, "slot_of"), (scheduled, "scheduled"), (index_of, "index_of")):
+        _check_arg(arg, dict, name)
+    _check_arg(sampled, list, "sampled")
+    _check_arg(req_ids, list, "req_ids")
+    _check_in_flight(in_flight, set)
+    max_model_len = int64(max_model_len, "max_model_len")
     status, tokens, has_grammar, client_col = (table.status, table.tokens, table.has_grammar,
                                                table.client_index)
     plain: dict[int, tuple[list, list]] = {}
@@ -199,15 +219,24 @@ def update_decodes_py(table: PyRequestTable, slot_of: dict, scheduled: dict, sam
                 i = index_of.get(rid)
                 if i is None:
                     continue  # nothing sampled
+                if i < 0:
+                    raise IndexError("list index out of range")  # no index from the end
             toks = sampled[i]
-            if not toks:
+            n_new = len(toks)
+            if n_new == 0:
                 continue  # a prefill chunk
-            if len(toks) != 1 or has_grammar[s]:
+            if n_new != 1 or has_grammar[s]:
                 deferred.append((rid, toks))
                 continue
-            tokens[s].append(index(toks[0]))
+            tok = index(toks[0])
+            if not 0 <= tok <= HASHABLE_MAX:
+                # As the native loop: an int64, and hashable when the row hashes.
+                token_list((tok,))
+                if table.hash_blocks[s]:
+                    check_hashable([tok])
+            tokens[s].append(tok)
             table._extend_hashes(s)
-            why = table.check_stop(s, max_model_len)
+            why = table._check_stop(s, max_model_len)
             if why:
                 finished.append((rid, toks, toks[0] if why == STOP_TOKEN else None))
                 continue
@@ -224,6 +253,16 @@ def update_decodes_py(table: PyRequestTable, slot_of: dict, scheduled: dict, sam
             failed.append((rid, f"{type(e).__name__}: {e}"))
             last_client = -1
     return DecodeUpdate(plain, deferred, finished, failed)
+
+
+def _check_arg(value: Any, kind: type, name: str) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def _check_in_flight(in_flight: Any, kinds: type | tuple[type, ...]) -> None:
+    if in_flight is not None and not isinstance(in_flight, kinds):
+        raise TypeError(f"in_flight must be a set or None, got {type(in_flight).__name__}")
 
 
 def scheduler_loops() -> tuple[Any, Any]:
