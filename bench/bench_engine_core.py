@@ -71,3 +71,29 @@ def test_block_hash(benchmark, path, sha_limit):
         benchmark.extra_info["fraction_of_limit"] = round(tps / sha_limit, 3)
     print(f"\nblock_hash[{path}]: {tps / 1e6:.1f} M tokens/s; SHA-256 limit from openssl "
           f"{(sha_limit or 0) / 1e6:.1f} M tokens/s")
+
+
+def test_prompt_hash_in_request_table(benchmark, path, sha_limit):
+    """A 32k-token prompt arriving in the request table: its ids copied into the
+    row's token store once, then every full block hashed from there (no Python
+    int per token, no bytes object per block; hashes are made bytes on demand)."""
+    from enginecore.sched.request_table import request_table_class
+
+    benchmark.group = "prompt_hash_in_request_table[32k tokens, block 16]"
+    rng = random.Random(0)
+    tokens = [rng.randrange(150000) for _ in range(32768)]
+    table = request_table_class()(None, 16)
+
+    def add_and_release():
+        slot = table.add("r", tokens, 0, 1, 0, -1, False, [], 0, 0.0, b"", True)
+        table.release(slot)
+
+    benchmark(add_and_release)
+    slot = table.add("r", tokens, 0, 1, 0, -1, False, [], 0, 0.0, b"", True)
+    assert table.get_block_hashes(slot) == block_hashes(tokens, 16)
+    tps = 32768 / benchmark.stats.stats.median
+    benchmark.extra_info["tokens_per_s"] = round(tps)
+    if sha_limit:
+        benchmark.extra_info["fraction_of_limit"] = round(tps / sha_limit, 3)
+    print(f"\nprompt_hash_in_request_table[{path}]: {tps / 1e6:.1f} M tokens/s; SHA-256 limit "
+          f"from openssl {(sha_limit or 0) / 1e6:.1f} M tokens/s")

@@ -10,7 +10,9 @@ void bind_blocking_queue(py::module_& m);
 void bind_fused_ops(py::module_& m);
 void bind_output_encoder(py::module_& m);
 void bind_paged_attention(py::module_& m);
-void bind_scheduler_update(py::module_& m);
+void bind_block_pool(py::module_& m);
+void bind_request_table(py::module_& m);
+void bind_scheduler_loops(py::module_& m);
 void bind_synthetic_sampler(py::module_& m);
 void bind_zmq_send(py::module_& m);
 }  // namespace enginecore
@@ -28,7 +30,9 @@ PYBIND11_MODULE(_C, m) {
   enginecore::bind_fused_ops(m);
   enginecore::bind_output_encoder(m);
   enginecore::bind_paged_attention(m);
-  enginecore::bind_scheduler_update(m);
+  enginecore::bind_block_pool(m);
+  enginecore::bind_request_table(m);
+  enginecore::bind_scheduler_loops(m);
   enginecore::bind_synthetic_sampler(m);
   enginecore::bind_zmq_send(m);
 }

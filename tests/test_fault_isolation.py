@@ -88,14 +88,24 @@ def test_lost_device_is_executor_failed(hot_path):
 
 def test_a_native_or_python_loop_that_raises_fails_only_that_request(hot_path):
     """Bounds keep every value a loop reads in range; should a loop still raise
-    for one request (here its max_tokens is broken behind the engine's back), that
-    request ends with ERROR and the others go on, on both paths."""
+    for one request (here the runner hands back a token that is not an int for it,
+    once), that request ends with ERROR and the others go on, on both paths."""
     eng = synthetic_engine(block_size=4)
     for r in good_requests(6):
         eng.add_request(r)
     first: dict[str, dict] = {}
     collect(eng.step()[0], first)
-    eng.scheduler.requests["g2"].max_tokens = "many"  # the update loop cannot compare it
+    execute = eng.model_executor.execute_model
+
+    def garbled_once(so, *args, **kwargs):
+        out = execute(so, *args, **kwargs)
+        if "g2" in out.req_id_to_index and not garbled:
+            out.sampled_token_ids[out.req_id_to_index["g2"]] = ["many"]
+            garbled.append(True)
+        return out
+
+    garbled: list[bool] = []
+    eng.model_executor.execute_model = garbled_once
     res = run_to_completion(eng)
     for rid, r in first.items():
         res[rid]["tokens"][:0] = r["tokens"]

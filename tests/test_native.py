@@ -61,6 +61,26 @@ def test_stub_names_every_export_of_the_extension():
         assert inspect.isclass(native)
 
 
+def test_every_native_structure_and_loop_has_a_twin_of_the_same_interface():
+    """``_C.Name`` <-> ``PyName`` and ``_C.name`` <-> ``name_py``: every public member
+    of a native class is on its twin with the same parameter names."""
+    from enginecore.sched import block_pool, request_table, scheduler_loops
+
+    twins = {"BlockPool": block_pool.PyBlockPool, "RequestTable": request_table.PyRequestTable}
+    for name, twin in twins.items():
+        native = getattr(C, name)
+        for member, value in vars(native).items():
+            if member.startswith("_") and member != "__len__":
+                continue
+            assert hasattr(twin, member), f"{twin.__name__} lacks {member}"
+            if callable(value) and not isinstance(value, property):
+                params = list(inspect.signature(getattr(twin, member)).parameters)[1:]
+                assert params == _native_params(value), (name, member)
+    for name in ("schedule_running", "update_decodes"):
+        twin = getattr(scheduler_loops, f"{name}_py")
+        assert list(inspect.signature(twin).parameters) == _native_params(getattr(C, name))
+
+
 @pytest.mark.parametrize("portable", [False, True])
 def test_sha256_matches_hashlib(portable):
     C.sha256_force_portable(portable)
@@ -162,8 +182,8 @@ def schedule_and_tokens(requests=None, **kw):
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     # The prefix cache at the end: every block hash registered, prompt and decode.
     pool = eng.scheduler.kv_cache_manager.block_pool
-    cached = sorted(pool.cached_block_hash_to_block)
-    free_order = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    cached = sorted(h for h in map(pool.block_hash, range(pool.num_blocks)) if h is not None)
+    free_order = pool.free_block_ids()
     return (trace, tokens, eng.scheduler.num_preempted_total, cached, free_order,
             pool.num_evictions)
 

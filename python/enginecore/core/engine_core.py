@@ -178,6 +178,7 @@ class EngineCore:
         req = Request.from_engine_core_request(
             request, self._eos_token_id, self._block_size, self._hash_algo,
             self._enable_hashes and self._fits(request) is None,
+            table=self.scheduler.request_table,
         )
         self._compile_grammar(req)
         return req, request.current_wave

@@ -80,11 +80,17 @@ def block_hashes_py(
     check_algo(algo)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if parent is not None and len(parent) != 32:
+        raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
+    return chain_hashes_py(token_ids, block_size, parent, encode_extra_keys(extra_keys))
+
+
+def chain_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | None,
+                    extra: bytes) -> list[bytes]:
+    """``block_hashes_py`` with the extra keys already encoded (the arguments of
+    ``_C.block_hashes``)."""
     prev = ROOT_PARENT if parent is None else parent
-    if len(prev) != 32:
-        raise ValueError(f"parent hash must be 32 bytes, got {len(prev)}")
     data = tokens_to_bytes(token_ids)
-    extra = encode_extra_keys(extra_keys)
     step = 4 * block_size
     sha = hashlib.sha256
     out: list[bytes] = []

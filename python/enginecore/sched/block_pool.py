@@ -1,197 +1,191 @@
-"""KV cache blocks: reference counts, the LRU free-block queue and the hash-to-block map."""
+"""KV cache blocks: reference counts, the LRU free-block queue and the hash-to-block map.
+
+``PyBlockPool`` is the pure-Python twin of ``_C.BlockPool`` (csrc/block_pool.cpp):
+the same interface over int block ids, the same results. ``block_pool_class()``
+picks the pair by the native switch; the scheduler never knows which it has.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-
-class KVCacheBlock:
-    """One block of KV cache. ``block_hash`` is set once the block is full and cached."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-
-    def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash else None
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+from enginecore import _native
 
 
-class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks, in eviction order (front is evicted first).
-
-    Freed blocks go to the back, so the least recently used are evicted first;
-    ``KVCacheManager.free`` appends a request's blocks tail-first, so within a
-    freed chain the tail (least likely to be shared) goes before its prefix.
-    Removal from the middle (a cache hit on a free block) is O(1).
-    """
-
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        prev = self._head
-        for block in blocks:
-            prev.next_free = block
-            block.prev_free = prev
-            prev = block
-        prev.next_free = self._tail
-        self._tail.prev_free = prev
-
-    def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free
-        if block is None or block is self._tail:
-            raise ValueError("no free blocks left")
-        self._unlink(block)
-        return block
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, {self.num_free_blocks} left")
-        out = []
-        block = self._head.next_free
-        for _ in range(n):
-            assert block is not None
-            out.append(block)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block = nxt
-        self._head.next_free = block
-        assert block is not None
-        block.prev_free = self._head
-        self.num_free_blocks -= n
-        return out
-
-    def remove(self, block: KVCacheBlock) -> None:
-        if block.prev_free is None or block.next_free is None:
-            raise RuntimeError(f"{block} is not in the free queue")
-        self._unlink(block)
-
-    def _unlink(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        out = []
-        block = self._head.next_free
-        while block is not None and block is not self._tail:
-            out.append(block)
-            block = block.next_free
-        return out
-
-
-class BlockPool:
+class PyBlockPool:
     """Owns every KV block: hands out free ones, shares cached ones, takes them back.
 
     A block is in exactly one of two states: referenced (``ref_cnt > 0``, not
     in the free queue) or free (``ref_cnt == 0``, in the free queue). A free
     block may still carry its hash and be revived by a cache hit until it is
-    evicted for reuse.
+    evicted for reuse. The free queue is a doubly linked list over block ids
+    (front is evicted first; freed blocks go to the back); removal from the
+    middle, a cache hit on a free block, is O(1).
     """
+
+    __slots__ = ("num_blocks", "enable_caching", "num_evictions", "num_free_blocks",
+                 "_ref_cnt", "_hash", "_prev", "_next", "_head", "_tail", "_cached")
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.enable_caching = bool(enable_caching)
         self.num_evictions = 0
+        self.num_free_blocks = num_blocks
+        self._ref_cnt = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        # Links over ids; num_blocks is the head sentinel, num_blocks + 1 the tail.
+        self._head, self._tail = num_blocks, num_blocks + 1
+        self._next = list(range(1, num_blocks + 1)) + [self._tail, -1]
+        self._next[num_blocks - 1] = self._tail
+        self._next[self._head] = 0
+        self._prev = [self._head] + list(range(num_blocks - 1)) + [-1, num_blocks - 1]
+        self._cached: dict[bytes, int] = {}
 
+    # -- reading ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
+        return self.num_free_blocks
 
     def get_usage(self) -> float:
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: bytes) -> int | None:
+        """The block holding ``block_hash``, or None."""
+        return self._cached.get(block_hash)
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def ref_cnt(self, block_id: int) -> int:
+        self._check(block_id)
+        return self._ref_cnt[block_id]
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        self._check(block_id)
+        return self._hash[block_id]
+
+    def num_cached_blocks(self) -> int:
+        """How many blocks are registered under a hash."""
+        return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, front (evicted first) to back."""
+        out = []
+        block = self._next[self._head]
+        while block != self._tail:
+            out.append(block)
+            block = self._next[block]
+        return out
+
+    # -- changing --------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` from the front of the free queue, evicting their hashes."""
-        blocks = self.free_block_queue.popleft_n(num_blocks)
-        cached = self.cached_block_hash_to_block
-        for block in blocks:
-            if block.block_hash is not None:
-                if cached.get(block.block_hash) is block:
-                    del cached[block.block_hash]
-                block.block_hash = None
+        if num_blocks < 0:
+            raise ValueError(f"asked for {num_blocks} blocks")
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} free blocks, {self.num_free_blocks} left")
+        nxt, prev, hashes, ref, cached = (self._next, self._prev, self._hash, self._ref_cnt,
+                                          self._cached)
+        out = []
+        block = nxt[self._head]
+        for _ in range(num_blocks):
+            out.append(block)
+            following = nxt[block]
+            nxt[block] = prev[block] = -1
+            h = hashes[block]
+            if h is not None:
+                if cached.get(h) == block:
+                    del cached[h]
+                hashes[block] = None
                 self.num_evictions += 1
-            block.ref_cnt = 1
-        return blocks
+            ref[block] = 1
+            block = following
+        nxt[self._head] = block
+        prev[block] = self._head
+        self.num_free_blocks -= num_blocks
+        return out
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cache-hit blocks, reviving free ones."""
-        remove = self.free_block_queue.remove
-        for block in blocks:
-            if block.ref_cnt == 0:
-                remove(block)
-            block.ref_cnt += 1
+        ref = self._ref_cnt
+        for block in block_ids:
+            self._check(block)
+            if ref[block] == 0:
+                self._unlink(block)
+            ref[block] += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; those that reach zero join the
-        free queue in the given order (first given is evicted first)."""
-        append = self.free_block_queue.append
-        for block in ordered_blocks:
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"double free of {block}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                append(block)
+        back of the free queue in the given order (first given is evicted first)."""
+        ref, nxt, prev, tail = self._ref_cnt, self._next, self._prev, self._tail
+        for block in ordered_block_ids:
+            self._check(block)
+            if ref[block] <= 0:
+                raise RuntimeError(f"double free of block {block}")
+            ref[block] -= 1
+            if ref[block] == 0:
+                last = prev[tail]
+                nxt[last] = block
+                prev[block] = last
+                nxt[block] = tail
+                prev[tail] = block
+                self.num_free_blocks += 1
 
-    def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], start: int, end: int
-    ) -> None:
-        """Register blocks[start:end], now full, under their hashes.
+    def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[bytes],
+                          start: int, end: int) -> None:
+        """Register block_ids[start:end], now full, under their hashes.
 
         When another block already holds the same hash (two requests computed
         the same prefix at once), the later one stays uncached: lookups find
         the first, and the duplicate is freed normally.
         """
-        cached = self.cached_block_hash_to_block
+        if start < 0 or end > len(block_ids) or end > len(block_hashes):
+            raise IndexError(f"blocks [{start}, {end}) out of range")
+        hashes, cached = self._hash, self._cached
         for i in range(start, end):
-            block = blocks[i]
-            if block.block_hash is not None:
+            block = block_ids[i]
+            self._check(block)
+            if hashes[block] is not None:
                 continue
             h = block_hashes[i]
+            if len(h) != 32:
+                raise ValueError(f"block hashes are 32 bytes, got {len(h)}")
             if h not in cached:
-                block.block_hash = h
+                hashes[block] = h
                 cached[h] = block
 
-    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def uncache(self, block_ids: Iterable[int]) -> None:
         """Forget these blocks' hashes (their contents are not what the hash says)."""
-        cached = self.cached_block_hash_to_block
-        for block in blocks:
-            h = block.block_hash
+        hashes, cached = self._hash, self._cached
+        for block in block_ids:
+            self._check(block)
+            h = hashes[block]
             if h is not None:
-                if cached.get(h) is block:
+                if cached.get(h) == block:
                     del cached[h]
-                block.block_hash = None
+                hashes[block] = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
+        self._hash = [None] * self.num_blocks
+        self._cached.clear()
         return True
+
+    def _unlink(self, block: int) -> None:
+        prev, nxt = self._prev[block], self._next[block]
+        if prev < 0 or nxt < 0:
+            raise RuntimeError(f"block {block} is not in the free queue")
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._prev[block] = self._next[block] = -1
+        self.num_free_blocks -= 1
+
+    def _check(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
+
+
+def block_pool_class() -> type:
+    """``_C.BlockPool`` on the native path, ``PyBlockPool`` otherwise."""
+    ext = _native.extension()
+    return ext.BlockPool if ext is not None else PyBlockPool

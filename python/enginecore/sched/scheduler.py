@@ -13,7 +13,6 @@ import enum
 import logging
 from collections.abc import Iterable
 
-from enginecore import _native
 from enginecore.config import EngineConfig
 from enginecore.protocol import EngineCoreOutput, FinishReason, IterationDetails, SchedulerStats
 from enginecore.request import Request, RequestStatus
@@ -21,6 +20,7 @@ from enginecore.sched.kv_cache_manager import KVCacheManager
 from enginecore.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from enginecore.sched.request_events import RequestEvents
 from enginecore.sched.request_queue import SchedulingPolicy, create_request_queue
+from enginecore.sched.scheduler_loops import scheduler_loops
 from enginecore.sched.scheduler_update import SchedulerUpdate
 from enginecore.sched.structured_output import StructuredOutputManager
 
@@ -28,26 +28,6 @@ logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
-
-
-def finish_running_py(
-    scheduled_running: list[Request], num_scheduled_tokens: dict[str, int]
-) -> tuple[list[str], list[int], bool]:
-    """(request ids, num_computed_tokens before this step, whether any has a
-    grammar) of the scheduled running requests, whose computed counts then
-    include this step's tokens. Twin of _C.finish_running."""
-    ids = []
-    computed = []
-    any_grammar = False
-    for r in scheduled_running:
-        rid = r.request_id
-        before = r.num_computed_tokens
-        ids.append(rid)
-        computed.append(before)
-        r.num_computed_tokens = before + num_scheduled_tokens[rid]
-        if r.grammar is not None:
-            any_grammar = True
-    return ids, computed, any_grammar
 
 
 class PauseState(enum.IntEnum):
@@ -89,7 +69,12 @@ class Scheduler(SchedulerUpdate):
             self.max_model_len,
             enable_caching=config.cache_config.enable_prefix_caching,
         )
+        # The request rows (tokens, counts, block tables) the loops work on.
+        self.request_table = self.kv_cache_manager.request_table
         self.requests: dict[str, Request] = {}
+        self.slot_of: dict[str, int] = {}  # live request id -> its row
+        # The native loops or their twins, picked once.
+        self._schedule_running, self._update_decodes = scheduler_loops()
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished since the last schedule(): the runner frees their state.
@@ -123,7 +108,9 @@ class Scheduler(SchedulerUpdate):
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already live")
+        self.kv_cache_manager.adopt(request)
         self.requests[request.request_id] = request
+        self.slot_of[request.request_id] = request.slot
         self.waiting.add_request(request)
         if self.events is not None:
             self.events.queued(request)
@@ -175,7 +162,9 @@ class Scheduler(SchedulerUpdate):
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]
+            del self.slot_of[request.request_id]
         self.finished_req_ids.add(request.request_id)
         if self.events is not None:
             self.events.forget(request.request_id)
@@ -242,66 +231,17 @@ class Scheduler(SchedulerUpdate):
         pause = self.pause_state
 
         if pause != PauseState.PAUSED_ALL:
-            running = self.running
-            req_index = 0
-            ext = _native.extension()
-            if ext is not None:
-                # The common-case prefix of this loop in C++ (csrc/scheduler_update.cpp);
-                # it stops before drafts or a preemption, and the loop goes on from there.
-                req_index, token_budget = ext.schedule_running(
-                    running, skip, token_budget, threshold, max_len_1, kv,
-                    kv.req_to_blocks, kv.num_cached_blocks, kv.block_size, kv.enable_caching,
-                    kv.block_pool, scheduled_running, running_new_blocks, num_scheduled_tokens)
-            while req_index < len(running) and token_budget > 0:
-                request = running[req_index]
-                rid = request.request_id
-                if rid in skip:
-                    req_index += 1
-                    continue
-                computed = request.num_computed_tokens
-                num_new = len(request.all_token_ids) + len(request.spec_token_ids) - computed
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > token_budget:
-                    num_new = token_budget
-                if num_new > max_len_1 - computed:
-                    num_new = max_len_1 - computed
-                if num_new <= 0:
-                    req_index += 1
-                    continue
-                while True:
-                    new_blocks = kv.allocate_slots(request, num_new)
-                    if new_blocks is not None:
-                        break
-                    victim = self._pick_victim()
-                    if victim is None:
-                        break
-                    victim_index = running.index(victim)
-                    running.pop(victim_index)
-                    if victim_index < req_index:
-                        req_index -= 1
-                        # Already scheduled this step: give its budget back.
-                        undo = scheduled_running.index(victim)
-                        scheduled_running.pop(undo)
-                        running_new_blocks.pop(undo)
-                        token_budget += num_scheduled_tokens.pop(victim.request_id)
-                        spec_tokens.pop(victim.request_id, None)
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is request:
-                        break
-                if new_blocks is None:
-                    break
-                scheduled_running.append(request)
-                running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
-                num_scheduled_tokens[rid] = num_new
-                token_budget -= num_new
-                if request.spec_token_ids:
-                    n_spec = computed + num_new - len(request.all_token_ids)
-                    if n_spec > 0:
-                        spec_tokens[rid] = request.spec_token_ids[:n_spec]
-                    request.spec_token_ids = []
-                req_index += 1
+            # The whole running loop: native (csrc/scheduler_loops.cpp) or its twin.
+            rs = self._schedule_running(
+                self.request_table, self.running, skip, in_flight if self.track_in_flight
+                else None, token_budget, threshold, max_len_1, self.max_model_len,
+                self.policy is SchedulingPolicy.PRIORITY)
+            (token_budget, scheduled_running, running_new_blocks, num_scheduled_tokens,
+             spec_tokens, preempted, cached_ids, cached_computed, any_grammar) = rs
+            for victim in preempted:
+                self._preempted(victim)
+        else:
+            cached_ids, cached_computed, any_grammar = [], [], False
 
         if not preempted and pause == PauseState.UNPAUSED and self.admit_new_prefills:
             waiting = self.waiting
@@ -347,19 +287,13 @@ class Scheduler(SchedulerUpdate):
             for request in reversed(skipped):
                 waiting.prepend_request(request)
 
-        # The running requests' ids and computed counts for the runner; their
-        # scheduled tokens count as computed from now on (the runner computes them).
-        ext = _native.extension()
-        finish = ext.finish_running if ext is not None else finish_running_py
-        cached_ids, cached_computed, any_grammar = finish(scheduled_running,
-                                                          num_scheduled_tokens)
         new_reqs_data = [
             NewRequestData(
                 req_id=r.request_id,
-                token_ids=list(r.all_token_ids),
+                token_ids=r.all_token_ids,
                 num_prompt_tokens=len(r.prompt_token_ids),
                 sampling_params=r.sampling_params,
-                block_ids=kv.get_block_ids(r.request_id),
+                block_ids=kv.get_block_ids(r),
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=r.lora_request,
                 eos_token_id=r.eos_token_id,
@@ -406,7 +340,7 @@ class Scheduler(SchedulerUpdate):
         for r in (*running, *new):
             if r.grammar is None:
                 continue
-            if r.num_computed_tokens >= len(r.all_token_ids):
+            if r.num_computed_tokens >= r.num_tokens:
                 # A matcher in error, or a mask over the per-step budget, ends the
                 # request with ERROR when its token arrives (update_from_output);
                 # this step it samples unconstrained, as the batch is already set.
@@ -424,17 +358,6 @@ class Scheduler(SchedulerUpdate):
             self._preempt(request)
         return len(victims)
 
-    def _pick_victim(self) -> Request | None:
-        """The running request to preempt: the last admitted (FCFS) or the
-        lowest priority, latest arrival (priority). In-flight ones are spared."""
-        in_flight = self.in_flight
-        candidates = [r for r in self.running if r.request_id not in in_flight]
-        if not candidates:
-            return None
-        if self.policy is SchedulingPolicy.PRIORITY:
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
-
     def preempt(self, request: Request) -> None:
         """Back to waiting (front), to be recomputed; not in ``running`` any more."""
         self._preempt(request)
@@ -444,6 +367,10 @@ class Scheduler(SchedulerUpdate):
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        self._preempted(request)
+
+    def _preempted(self, request: Request) -> None:
+        """The scheduler's part of a preemption whose row is already reset."""
         request.num_preemptions += 1
         self.preempted_req_ids.add(request.request_id)
         self.num_preempted_total += 1

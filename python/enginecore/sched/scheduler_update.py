@@ -2,25 +2,26 @@
 appends sampled tokens, applies the stop checks in vLLM's order, frees finished
 requests and builds each client's outputs: a ``ColumnarOutputs`` per client on
 both paths (``.outputs`` is the typed view; the encoder writes msgpack from the
-columns natively, or through ``to_struct()`` and msgspec on the Python path). The plain-decode loop is native (csrc/scheduler_update.cpp);
-one request that makes either loop raise ends alone with ERROR."""
+columns natively, or through ``to_struct()`` and msgspec on the Python path).
+The plain-decode loop is ``update_decodes`` (sched/scheduler_loops.py, native in
+csrc/scheduler_loops.cpp); one request that makes either loop raise ends alone
+with ERROR."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from enginecore import _native
 from enginecore.protocol import EngineCoreOutput, FinishReason, Logprobs
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.columnar_outputs import ColumnarOutputs
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
+from enginecore.sched.request_table import NOT_STOPPED, STOP_TOKEN
 
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 class SchedulerUpdate:
@@ -53,16 +54,12 @@ class SchedulerUpdate:
         col_toks: list = []
 
         failed: list[tuple[str, str]] = []
-        ext = _native.extension()
-        if (ext is not None and not spec and logprobs is None and pooled is None
-                and prompt_lps is None):
-            # Plain decodes: the per-request loop below, in C++ (csrc/scheduler_update.cpp).
-            ext.update_decodes(
-                requests, scheduler_output.num_scheduled_tokens, sampled, model_output.req_ids,
-                index_of, in_flight,
-                self.max_model_len, (_RUNNING, _LENGTH, _STOPPED),
-                cols, stopped, ColumnarOutputs,
-                self._emit_finished, self._update_request, failed)
+        if not spec and logprobs is None and pooled is None and prompt_lps is None:
+            # Plain decodes: the whole loop native (csrc/scheduler_loops.cpp) or its twin.
+            upd = self._update_decodes(
+                self.request_table, self.slot_of, scheduler_output.num_scheduled_tokens,
+                sampled, model_output.req_ids, index_of, in_flight, self.max_model_len)
+            self._apply_decode_update(upd, cols, stopped, failed)
             scheduled: Any = ()
         else:
             scheduled = scheduler_output.num_scheduled_tokens
@@ -95,7 +92,6 @@ class SchedulerUpdate:
                 prompt_lp = None if prompt_lps is None else prompt_lps.get(rid)
                 if (len(new_token_ids) == 1 and request.grammar is None and prompt_lp is None
                         and (logprobs is None or logprobs[i] is None)):  # type: ignore[index]
-                    # A plain decode (the loop csrc/scheduler_update.cpp runs natively).
                     request.append_output_token_ids(new_token_ids)
                     if self._check_stop(request):
                         stopped.append(request)
@@ -134,6 +130,33 @@ class SchedulerUpdate:
                 first = cols[0] = ColumnarOutputs()
             first.scheduler_stats = stats
         return cols
+
+    def _apply_decode_update(self, upd: Any, cols: dict[int, ColumnarOutputs],
+                             stopped: list[Request], failed: list[tuple[str, str]]) -> None:
+        """Fold what ``update_decodes`` returned into the step's outputs."""
+        plain, deferred, finished, loop_failed = upd
+        for client, (ids, toks) in plain.items():
+            col = cols.get(client)
+            if col is None:
+                col = cols[client] = ColumnarOutputs()
+            if col.request_ids:
+                col.request_ids.extend(ids)
+                col.new_token_ids.extend(toks)
+            else:  # the columns are the loop's lists
+                col.request_ids, col.new_token_ids = ids, toks
+        requests = self.requests
+        for rid, toks, stop_token in finished:
+            request = requests[rid]
+            if stop_token is not None:
+                request.stop_reason = stop_token
+            stopped.append(request)
+            self._emit_finished(request, rid, toks, cols)
+        for rid, toks in deferred:
+            try:
+                self._update_request(requests[rid], rid, toks, None, cols, stopped)
+            except Exception as e:  # noqa: BLE001 - that request's failure only
+                failed.append((rid, f"{type(e).__name__}: {e}"))
+        failed.extend(loop_failed)
 
     def _count_accepted_per_pos(self, num_drafts: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1
@@ -235,18 +258,8 @@ class SchedulerUpdate:
         return result
 
     def _check_stop(self, request: Request) -> bool:
-        n_out = len(request.output_token_ids)
-        if len(request.all_token_ids) >= self.max_model_len or n_out >= request.max_tokens:
-            request.status = _LENGTH
-            return True
-        if n_out < request.min_tokens:
-            return False
-        last = request.output_token_ids[-1]
-        if last == request.eos_token_id and not request.ignore_eos:
-            request.status = _STOPPED
-            return True
-        if last in request.stop_token_ids:
-            request.status = _STOPPED
-            request.stop_reason = last
-            return True
-        return False
+        """The stop checks on the request's last token (the table's, as the loops')."""
+        why = request.table.check_stop(request.slot, self.max_model_len)
+        if why == STOP_TOKEN:
+            request.stop_reason = request.table.get_token_ids(request.slot)[-1]
+        return why != NOT_STOPPED

@@ -1,0 +1,414 @@
+// The request table, twin of python/enginecore/sched/request_table.py (PyRequestTable).
+#include "request_table.h"
+
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "sha256.h"
+
+namespace py = pybind11;
+
+namespace enginecore {
+
+RequestTable::RequestTable(py::object pool, int64_t block_size)
+    : pool_obj_(std::move(pool)), block_size_(block_size) {
+  if (block_size <= 0) {
+    throw py::value_error("block_size must be positive, got " + std::to_string(block_size));
+  }
+  if (!pool_obj_.is_none()) pool_ = &pool_obj_.cast<BlockPool&>();
+}
+
+BlockPool& RequestTable::pool() {
+  if (pool_ == nullptr) {
+    throw std::runtime_error(
+        "this request table has no block pool (a request not yet added to a scheduler "
+        "holds no KV blocks)");
+  }
+  return *pool_;
+}
+
+Row& RequestTable::row(int64_t slot) {
+  if (slot < 0 || static_cast<size_t>(slot) >= rows_.size() || !rows_[slot] ||
+      rows_[slot]->request_id.is_none()) {
+    throw py::index_error("no request in slot " + std::to_string(slot));
+  }
+  return *rows_[slot];
+}
+
+int64_t RequestTable::put(std::unique_ptr<Row> r) {
+  int64_t slot;
+  if (!free_.empty()) {
+    slot = free_.back();
+    free_.pop_back();
+    rows_[slot] = std::move(r);
+  } else {
+    slot = static_cast<int64_t>(rows_.size());
+    rows_.push_back(std::move(r));
+  }
+  ++live_;
+  return slot;
+}
+
+void RequestTable::release(int64_t slot) {
+  Row& r = row(slot);
+  if (!r.blocks.empty()) {
+    throw std::runtime_error("slot " + std::to_string(slot) + " still holds " +
+                             std::to_string(r.blocks.size()) + " blocks");
+  }
+  // The row object stays (a loop may hold it); its contents go.
+  r = Row();
+  r.request_id = py::none();
+  free_.push_back(slot);
+  --live_;
+}
+
+void RequestTable::extend_hashes(Row& r) {
+  if (!r.hash_blocks) return;
+  const size_t bs = static_cast<size_t>(block_size_);
+  const size_t done = r.hashes.size();
+  const size_t full = r.tokens.size() / bs;
+  if (full <= done) return;
+  uint8_t root[32] = {0};
+  const uint8_t* parent = done ? r.hashes[done - 1].b : root;
+  Sha256Chain chain(parent, 4 * bs, reinterpret_cast<const uint8_t*>(r.extra_keys.data()),
+                    r.extra_keys.size());
+  std::vector<uint32_t> block(bs);
+  r.hashes.reserve(full);  // each digest stays put: the chain reads it back
+  for (size_t b = done; b < full; ++b) {
+    const int64_t* src = r.tokens.data() + b * bs;
+    for (size_t i = 0; i < bs; ++i) {
+      if (src[i] < 0 || src[i] > 0xFFFFFFFFLL) {
+        throw py::value_error("token ids must be in [0, 2**32)");
+      }
+      block[i] = static_cast<uint32_t>(src[i]);
+    }
+    r.hashes.emplace_back();
+    chain.next(reinterpret_cast<const uint8_t*>(block.data()), r.hashes.back().b);
+  }
+}
+
+int32_t RequestTable::check_stop(Row& r, int64_t max_model_len) {
+  const int64_t n_all = static_cast<int64_t>(r.tokens.size());
+  const int64_t n_out = n_all - r.num_prompt;
+  if (n_all >= max_model_len || n_out >= r.max_tokens) {
+    r.status = kLength;
+    return kStopLength;
+  }
+  if (n_out < r.min_tokens || n_out <= 0) return kNotStopped;
+  const int64_t last = r.tokens.back();
+  if (last == r.eos_token_id && !r.ignore_eos) {
+    r.status = kStopped;
+    return kStopEos;
+  }
+  if (std::binary_search(r.stop_token_ids.begin(), r.stop_token_ids.end(), last)) {
+    r.status = kStopped;
+    return kStopToken;
+  }
+  return kNotStopped;
+}
+
+void RequestTable::cache_full(Row& r, int64_t end) {
+  const int64_t n_tok = static_cast<int64_t>(r.tokens.size());
+  int64_t num_full = std::min(end, n_tok) / block_size_;
+  num_full = std::min<int64_t>(num_full, static_cast<int64_t>(r.hashes.size()));
+  if (num_full <= r.num_cached_blocks) return;
+  if (num_full > static_cast<int64_t>(r.blocks.size())) {
+    throw py::index_error("blocks [" + std::to_string(r.num_cached_blocks) + ", " +
+                          std::to_string(num_full) + ") out of range");
+  }
+  BlockPool& p = pool();
+  for (int64_t i = r.num_cached_blocks; i < num_full; ++i) p.cache(r.blocks[i], r.hashes[i]);
+  r.num_cached_blocks = num_full;
+}
+
+bool RequestTable::allocate(Row& r, int64_t num_new_tokens, int64_t num_new_computed,
+                            const std::vector<int32_t>& new_computed, int64_t num_lookahead,
+                            int64_t max_model_len, std::vector<int32_t>& new_blocks) {
+  BlockPool& p = pool();
+  if (num_new_tokens < 0 || num_new_computed < 0 || num_lookahead < 0) {
+    throw py::value_error("token counts must be >= 0");
+  }
+  if (num_new_tokens == 0 && new_computed.empty()) {
+    throw py::value_error("num_new_tokens must be positive");
+  }
+  const int64_t bs = block_size_;
+  const int64_t num_computed = r.num_computed + num_new_computed;
+  const int64_t num_needed =
+      std::min(num_computed + num_new_tokens + num_lookahead, max_model_len);
+  const int64_t num_new = (num_needed + bs - 1) / bs - static_cast<int64_t>(r.blocks.size()) -
+                          static_cast<int64_t>(new_computed.size());
+  int64_t num_revived = 0;
+  for (int32_t b : new_computed) num_revived += p.ref_cnt(b) == 0;
+  if (num_new > p.num_free() - num_revived) return false;
+  for (int32_t b : new_computed) {
+    p.touch(b);
+    r.blocks.push_back(b);
+  }
+  if (num_new > 0) {
+    const size_t first = r.blocks.size();
+    p.take(num_new, r.blocks);
+    new_blocks.insert(new_blocks.end(), r.blocks.begin() + first, r.blocks.end());
+  }
+  if (p.enable_caching()) cache_full(r, num_computed + num_new_tokens);
+  return true;
+}
+
+void RequestTable::free_blocks(Row& r) {
+  r.num_cached_blocks = 0;
+  if (r.blocks.empty()) return;
+  std::vector<int32_t> blocks;
+  blocks.swap(r.blocks);
+  BlockPool& p = pool();
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) p.release(*it);
+}
+
+namespace {
+
+std::vector<int64_t> int_vector(py::handle seq) {
+  std::vector<int64_t> out;
+  if (PyList_Check(seq.ptr()) || PyTuple_Check(seq.ptr())) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    out.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const long long v = PyLong_AsLongLong(items[i]);
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      out.push_back(v);
+    }
+    return out;
+  }
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(seq)) out.push_back(h.cast<int64_t>());
+  return out;
+}
+
+py::list int_list(const int64_t* begin, const int64_t* end) {
+  py::list out(end - begin);
+  for (Py_ssize_t i = 0; begin != end; ++begin, ++i) {
+    PyObject* v = PyLong_FromLongLong(*begin);
+    if (v == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), i, v);
+  }
+  return out;
+}
+
+py::list hash_list(const std::vector<Hash32>& hashes) {
+  py::list out(hashes.size());
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    PyObject* b = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(hashes[i].b), 32);
+    if (b == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), b);
+  }
+  return out;
+}
+
+Hash32 to_hash32(py::handle h) {
+  if (!PyBytes_Check(h.ptr()) || PyBytes_GET_SIZE(h.ptr()) != 32) {
+    throw py::value_error("block hashes are 32 bytes");
+  }
+  Hash32 out;
+  std::memcpy(out.b, PyBytes_AS_STRING(h.ptr()), 32);
+  return out;
+}
+
+std::vector<int32_t> block_ids(RequestTable& t, py::handle seq) {
+  std::vector<int32_t> out;
+  for (int64_t b : int_vector(seq)) {
+    t.pool().check(b);
+    out.push_back(static_cast<int32_t>(b));
+  }
+  return out;
+}
+
+py::tuple export_row(RequestTable& t, int64_t slot) {
+  Row& r = t.row(slot);
+  const int64_t* tok = r.tokens.data();
+  return py::make_tuple(
+      r.request_id, int_list(tok, tok + r.tokens.size()), r.num_prompt, r.num_computed,
+      r.status, r.client_index, r.max_tokens, r.min_tokens, r.eos_token_id, r.ignore_eos,
+      int_list(r.stop_token_ids.data(), r.stop_token_ids.data() + r.stop_token_ids.size()),
+      r.has_grammar, int_list(r.spec.data(), r.spec.data() + r.spec.size()), r.priority,
+      r.arrival_time, py::bytes(r.extra_keys), r.hash_blocks, hash_list(r.hashes),
+      py::list(py::cast(r.blocks)), r.num_cached_blocks);
+}
+
+int64_t import_row(RequestTable& t, py::handle state_obj) {
+  py::tuple s = py::tuple(py::reinterpret_borrow<py::object>(state_obj));
+  if (s.size() != 20) {
+    throw py::value_error("a row state has 20 fields, got " + std::to_string(s.size()));
+  }
+  if (py::len(s[18]) != 0) {
+    throw py::value_error("a request that holds KV blocks cannot move to another table");
+  }
+  auto r = std::make_unique<Row>();
+  r->request_id = s[0];
+  r->tokens = int_vector(s[1]);
+  r->num_prompt = s[2].cast<int64_t>();
+  r->num_computed = s[3].cast<int64_t>();
+  r->status = s[4].cast<int32_t>();
+  r->client_index = s[5].cast<int64_t>();
+  r->max_tokens = s[6].cast<int64_t>();
+  r->min_tokens = s[7].cast<int64_t>();
+  r->eos_token_id = s[8].cast<int64_t>();
+  r->ignore_eos = s[9].cast<bool>();
+  r->stop_token_ids = int_vector(s[10]);
+  std::sort(r->stop_token_ids.begin(), r->stop_token_ids.end());
+  r->has_grammar = s[11].cast<bool>();
+  r->spec = int_vector(s[12]);
+  r->priority = s[13].cast<int64_t>();
+  r->arrival_time = s[14].cast<double>();
+  r->extra_keys = s[15].cast<std::string>();
+  r->hash_blocks = s[16].cast<bool>();
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(s[17])) {
+    r->hashes.push_back(to_hash32(h));
+  }
+  r->num_cached_blocks = s[19].cast<int64_t>();
+  return t.put(std::move(r));
+}
+
+int64_t add_row(RequestTable& t, py::str request_id, py::handle prompt, int64_t client_index,
+                int64_t max_tokens, int64_t min_tokens, int64_t eos_token_id, bool ignore_eos,
+                py::handle stop_token_ids, int64_t priority, double arrival_time,
+                py::bytes extra_keys, bool hash_blocks) {
+  auto r = std::make_unique<Row>();
+  r->request_id = request_id;
+  r->tokens = int_vector(prompt);
+  r->num_prompt = static_cast<int64_t>(r->tokens.size());
+  r->client_index = client_index;
+  r->max_tokens = max_tokens;
+  r->min_tokens = min_tokens;
+  r->eos_token_id = eos_token_id;
+  r->ignore_eos = ignore_eos;
+  r->stop_token_ids = int_vector(stop_token_ids);
+  std::sort(r->stop_token_ids.begin(), r->stop_token_ids.end());
+  r->priority = priority;
+  r->arrival_time = arrival_time;
+  r->extra_keys = extra_keys;
+  r->hash_blocks = hash_blocks;
+  t.extend_hashes(*r);
+  return t.put(std::move(r));
+}
+
+}  // namespace
+
+void bind_request_table(py::module_& m) {
+  using T = RequestTable;
+  py::class_<T>(m, "RequestTable",
+                "Per-request hot state by slot: tokens, counts, stops, block tables, block "
+                "hashes (twin: enginecore.sched.request_table.PyRequestTable).")
+      .def(py::init<py::object, int64_t>(), py::arg("block_pool"), py::arg("block_size"))
+      .def_property_readonly("block_pool", &T::pool_object)
+      .def_property_readonly("block_size", &T::block_size)
+      .def("add", &add_row, py::arg("request_id"), py::arg("prompt_token_ids"),
+           py::arg("client_index"), py::arg("max_tokens"), py::arg("min_tokens"),
+           py::arg("eos_token_id"), py::arg("ignore_eos"), py::arg("stop_token_ids"),
+           py::arg("priority"), py::arg("arrival_time"), py::arg("extra_keys"),
+           py::arg("hash_blocks"))
+      .def("export_row", &export_row, py::arg("slot"))
+      .def("import_row", &import_row, py::arg("state"))
+      .def("release", &T::release, py::arg("slot"))
+      .def("__len__", &T::live)
+      .def("block_tables", [](T& t) {
+        py::dict out;
+        for (size_t s = 0; s < t.capacity(); ++s) {
+          Row* r = t.maybe_row(s);
+          if (r != nullptr && !r->request_id.is_none() && !r->blocks.empty()) {
+            out[r->request_id] = py::cast(r->blocks);
+          }
+        }
+        return out;
+      })
+      .def("get_request_id", [](T& t, int64_t s) { return t.row(s).request_id; },
+           py::arg("slot"))
+      .def("get_status", [](T& t, int64_t s) { return t.row(s).status; }, py::arg("slot"))
+      .def("set_status", [](T& t, int64_t s, int32_t v) { t.row(s).status = v; },
+           py::arg("slot"), py::arg("status"))
+      .def("get_num_computed_tokens", [](T& t, int64_t s) { return t.row(s).num_computed; },
+           py::arg("slot"))
+      .def("set_num_computed_tokens", [](T& t, int64_t s, int64_t n) {
+        Row& r = t.row(s);
+        if (n < 0) throw py::value_error("num_computed_tokens must be >= 0, got " +
+                                         std::to_string(n));
+        r.num_computed = n;
+      }, py::arg("slot"), py::arg("n"))
+      .def("get_num_tokens", [](T& t, int64_t s) { return t.row(s).tokens.size(); },
+           py::arg("slot"))
+      .def("get_num_prompt_tokens", [](T& t, int64_t s) { return t.row(s).num_prompt; },
+           py::arg("slot"))
+      .def("get_token_ids", [](T& t, int64_t s) {
+        Row& r = t.row(s);
+        return int_list(r.tokens.data(), r.tokens.data() + r.tokens.size());
+      }, py::arg("slot"))
+      .def("get_output_token_ids", [](T& t, int64_t s) {
+        Row& r = t.row(s);
+        return int_list(r.tokens.data() + r.num_prompt, r.tokens.data() + r.tokens.size());
+      }, py::arg("slot"))
+      .def("get_client_index", [](T& t, int64_t s) { return t.row(s).client_index; },
+           py::arg("slot"))
+      .def("get_spec_token_ids", [](T& t, int64_t s) {
+        Row& r = t.row(s);
+        return int_list(r.spec.data(), r.spec.data() + r.spec.size());
+      }, py::arg("slot"))
+      .def("set_spec_token_ids", [](T& t, int64_t s, py::handle ids) {
+        t.row(s).spec = int_vector(ids);
+      }, py::arg("slot"), py::arg("token_ids"))
+      .def("set_has_grammar", [](T& t, int64_t s, bool g) { t.row(s).has_grammar = g; },
+           py::arg("slot"), py::arg("has_grammar"))
+      .def("get_block_hashes", [](T& t, int64_t s) { return hash_list(t.row(s).hashes); },
+           py::arg("slot"))
+      .def("get_num_block_hashes", [](T& t, int64_t s) { return t.row(s).hashes.size(); },
+           py::arg("slot"))
+      .def("get_block_ids", [](T& t, int64_t s) { return py::list(py::cast(t.row(s).blocks)); },
+           py::arg("slot"))
+      .def("get_num_cached_blocks", [](T& t, int64_t s) { return t.row(s).num_cached_blocks; },
+           py::arg("slot"))
+      .def("append_token_ids", [](T& t, int64_t s, py::handle ids) {
+        Row& r = t.row(s);
+        for (int64_t v : int_vector(ids)) r.tokens.push_back(v);
+        t.extend_hashes(r);
+      }, py::arg("slot"), py::arg("token_ids"))
+      .def("check_stop", [](T& t, int64_t s, int64_t max_model_len) {
+        return t.check_stop(t.row(s), max_model_len);
+      }, py::arg("slot"), py::arg("max_model_len"))
+      .def("get_computed_blocks", [](T& t, int64_t s, int64_t max_hit_blocks) {
+        Row& r = t.row(s);
+        BlockPool& p = t.pool();
+        std::vector<int32_t> hits;
+        const int64_t n = std::min<int64_t>(std::max<int64_t>(max_hit_blocks, 0),
+                                            static_cast<int64_t>(r.hashes.size()));
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t b = p.lookup(r.hashes[i]);
+          if (b < 0) break;
+          hits.push_back(b);
+        }
+        return hits;
+      }, py::arg("slot"), py::arg("max_hit_blocks"))
+      .def("allocate_slots", [](T& t, int64_t s, int64_t num_new_tokens,
+                                int64_t num_new_computed_tokens, py::handle new_computed_blocks,
+                                int64_t num_lookahead_tokens, int64_t max_model_len) -> py::object {
+        Row& r = t.row(s);
+        const std::vector<int32_t> computed = block_ids(t, new_computed_blocks);
+        std::vector<int32_t> fresh;
+        if (!t.allocate(r, num_new_tokens, num_new_computed_tokens, computed,
+                        num_lookahead_tokens, max_model_len, fresh)) {
+          return py::none();
+        }
+        return py::list(py::cast(fresh));
+      }, py::arg("slot"), py::arg("num_new_tokens"), py::arg("num_new_computed_tokens"),
+         py::arg("new_computed_blocks"), py::arg("num_lookahead_tokens"),
+         py::arg("max_model_len"))
+      .def("free_blocks", [](T& t, int64_t s) { t.free_blocks(t.row(s)); }, py::arg("slot"))
+      .def("uncache_from", [](T& t, int64_t s, int64_t num_tokens) {
+        Row& r = t.row(s);
+        if (r.blocks.empty()) return;
+        const int64_t first = std::max<int64_t>(num_tokens, 0) / t.block_size();
+        BlockPool& p = t.pool();
+        for (size_t i = static_cast<size_t>(first); i < r.blocks.size(); ++i) {
+          p.uncache(r.blocks[i]);
+        }
+        if (r.num_cached_blocks > first) r.num_cached_blocks = first;
+      }, py::arg("slot"), py::arg("num_tokens"));
+}
+
+}  // namespace enginecore
