@@ -83,11 +83,13 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
   PyObject* skip = skip_obj.ptr();
   PyObject* in_flight = in_flight_obj.ptr();
   const bool skip_is_set = PyAnySet_Check(skip);
+  // Nothing to pass over (the common step): no lookup per request.
+  const bool skip_none = skip_is_set && PySet_GET_SIZE(skip) == 0;
   const int64_t bs = t.block_size();
   const bool caching = t.caching();
   py::list scheduled, new_block_ids, preempted;
   py::dict num_scheduled, spec_tokens;
-  std::vector<int64_t> scheduled_slots;
+  std::vector<int64_t> scheduled_slots, scheduled_tokens;  // beside `scheduled`
   std::vector<int32_t> fresh;
   Py_ssize_t i = 0;
   while (i < PyList_GET_SIZE(running) && token_budget > 0) {
@@ -95,7 +97,8 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
     const int64_t s = slot_of_request(request);
     Row& r = t.row(s);
     PyObject* rid = r.request_id.ptr();
-    if (skip_is_set ? contains(skip, rid) : PySequence_Contains(skip, rid) == 1) {
+    if (!skip_none &&
+        (skip_is_set ? contains(skip, rid) : PySequence_Contains(skip, rid) == 1)) {
       ++i;
       continue;
     }
@@ -142,6 +145,7 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
             throw py::error_already_set();
           }
           scheduled_slots.erase(scheduled_slots.begin() + undo);
+          scheduled_tokens.erase(scheduled_tokens.begin() + undo);
           PyObject* n = PyDict_GetItemWithError(num_scheduled.ptr(), vr.request_id.ptr());
           if (n == nullptr) {
             if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, vr.request_id.ptr());
@@ -168,6 +172,7 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
     }
     append(scheduled.ptr(), request);
     scheduled_slots.push_back(s);
+    scheduled_tokens.push_back(num_new);
     if (fresh.empty()) {
       append(new_block_ids.ptr(), Py_None);
     } else {
@@ -201,12 +206,7 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
     Py_INCREF(rid);
     PyList_SET_ITEM(req_ids.ptr(), static_cast<Py_ssize_t>(k), rid);
     PyList_SET_ITEM(before.ptr(), static_cast<Py_ssize_t>(k), new_int(r.num_computed));
-    PyObject* num = PyDict_GetItemWithError(num_scheduled.ptr(), rid);
-    if (num == nullptr) {
-      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rid);
-      throw py::error_already_set();
-    }
-    r.num_computed += as_long(num);
+    r.num_computed += scheduled_tokens[k];
     any_grammar = any_grammar || r.has_grammar;
   }
   return py::make_tuple(token_budget, scheduled, new_block_ids, num_scheduled, spec_tokens,
@@ -250,8 +250,11 @@ void update_one(RequestTable& t, PyObject* rid, Py_ssize_t k, PyObject* slot_of,
       if (i == -1 && PyErr_Occurred()) throw py::error_already_set();
     }
   }
-  Ref toks(PySequence_GetItem(sampled, i));
-  const Py_ssize_t n_new = PyObject_Length(toks.p);
+  if (i < 0 || i >= PyList_GET_SIZE(sampled)) throw py::index_error("list index out of range");
+  PyObject* toks_p = PyList_GET_ITEM(sampled, i);
+  Py_INCREF(toks_p);
+  Ref toks(toks_p);
+  const Py_ssize_t n_new = PyList_Check(toks_p) ? PyList_GET_SIZE(toks_p) : PyObject_Length(toks_p);
   if (n_new < 0) throw py::error_already_set();
   if (n_new == 0) return;  // a prefill chunk
   if (n_new != 1 || r.has_grammar) {
@@ -259,7 +262,7 @@ void update_one(RequestTable& t, PyObject* rid, Py_ssize_t k, PyObject* slot_of,
     append(deferred, entry.p);
     return;
   }
-  Ref tok(PySequence_GetItem(toks.p, 0));
+  Ref tok(PySequence_GetItem(toks.p, 0));  // a list's item, or any sequence's
   r.tokens.push_back(as_long(tok.p));
   t.extend_hashes(r);
   const int32_t why = t.check_stop(r, max_model_len);
