@@ -367,12 +367,13 @@ def test_data_parallel_then_a_dead_rank(aloop, tiny_chat_model, hot_path):
 def test_a_failed_engine_start_raises_its_own_error(monkeypatch):
     """A start that fails (an engine exiting before HELLO) shuts the client down
     half-built; the caller gets that failure, not an error of the shutdown."""
+    from enginecore.client.engine_launcher import EngineLauncher
     from enginecore.client.mp_client import AsyncMPClient
 
     def engine_exits(self, *args, **kwargs):
         raise RuntimeError("engine 0 exited with code 1 before sending HELLO")
 
-    monkeypatch.setattr(AsyncMPClient, "_start_engine", engine_exits)
+    monkeypatch.setattr(EngineLauncher, "_start_processes", engine_exits)
     cfg = EngineArgs(model="synthetic").create_engine_config()
     with pytest.raises(RuntimeError, match="before sending HELLO"):
         AsyncMPClient(cfg, None, False)

@@ -37,14 +37,14 @@ def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
     close_sockets = c._close_sockets
 
     def recording_close():
-        alive_at_close.extend(t.name for t in (c._reader, c._remote_watch) if t.is_alive())
+        alive_at_close.extend(t.name for t in (c._reader, c.watch.thread) if t.is_alive())
         close_sockets()
 
     c._close_sockets = recording_close
     try:
-        assert len(c._ray.actors) == 2 and len(c._ray.placement_groups) == 2
+        assert len(c.launcher.ray.actors) == 2 and len(c.launcher.ray.placement_groups) == 2
         assert c.input_address.startswith("tcp://127.0.0.1:")
-        assert len(set(c._ray.pids()) | {os.getpid()}) == 3  # two actor processes
+        assert len(set(c.launcher.ray.pids()) | {os.getpid()}) == 3  # two actor processes
         for r in reqs():
             c.add_request(r)
         got, served = drain_by_rank(c)
@@ -99,7 +99,7 @@ def test_killing_a_ray_rank_is_engine_dead_fast():
             c.add_request(EngineCoreRequest(f"k{i}", [1, i], SamplingParams(
                 max_tokens=10**4, ignore_eos=True)))
         c.get_output(timeout=10)
-        kill_and_expect_dead(c, c._ray.pids()[1])
+        kill_and_expect_dead(c, c.launcher.ray.pids()[1])
     finally:
         c.shutdown()
 
@@ -151,11 +151,11 @@ def test_ray_scale_2_to_3_to_2_while_serving():
     try:
         submit(0, 15)
         c.scale_elastic_ep(3)
-        assert c.num_engines == 3 and len(c._ray.actors) == 3
+        assert c.num_engines == 3 and len(c.launcher.ray.actors) == 3
         submit(15, 30)
         c.scale_elastic_ep(2)
-        assert c.num_engines == 2 and len(c._ray.actors) == 2
-        assert len(c._ray.placement_groups) == 2
+        assert c.num_engines == 2 and len(c.launcher.ray.actors) == 2
+        assert len(c.launcher.ray.placement_groups) == 2
         submit(30, 45)
         drain(45)
         assert got == expected
@@ -181,7 +181,7 @@ def test_ray_scale_down_not_a_death_when_the_watcher_lags(monkeypatch):
     c = make_client(True, False, ray_config(data_parallel_lockstep=True))
     try:
         c.scale_elastic_ep(1)
-        assert c.num_engines == 1 and len(c._ray.actors) == 1
+        assert c.num_engines == 1 and len(c.launcher.ray.actors) == 1
         time.sleep(2.5)  # the watcher has looked at the leaver's end by now
         assert not c._dead
         c.add_request(EngineCoreRequest("after", [1, 2], SamplingParams(max_tokens=3,

@@ -59,7 +59,7 @@ FRONT_END = textwrap.dedent("""
         cfg = EngineArgs(model="synthetic", block_size=4, max_model_len=4096,
                          synthetic_step_latency_s=0.01).create_engine_config()
         c = SyncMPClient(cfg, transport=transport)
-        print(json.dumps({"engine": c.proc.pid, "dir": c._addresses.dir}), flush=True)
+        print(json.dumps({"engine": c.proc.pid, "dir": c.launcher.addresses.dir}), flush=True)
         for i in range(n):
             c.add_request(EngineCoreRequest(f"s{i}", [i + 1, 5, 9], SamplingParams(
                 max_tokens=tokens, seed=i)))
@@ -152,7 +152,7 @@ def test_a_front_end_that_exits_without_shutdown_removes_its_socket_dir(tmp_path
         from enginecore.client import SyncMPClient
         if __name__ == "__main__":
             c = SyncMPClient(EngineArgs(model="synthetic").create_engine_config())
-            print(json.dumps({"dir": c._addresses.dir, "engine": c.proc.pid}), flush=True)
+            print(json.dumps({"dir": c.launcher.addresses.dir, "engine": c.proc.pid}), flush=True)
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=60)

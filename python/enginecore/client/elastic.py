@@ -14,7 +14,8 @@ and the rest form the smaller group. No request is lost either way.
 ``ElasticScaler`` (the sync client's ``scale_elastic_ep``) and
 ``AsyncElasticScaler`` (the asyncio client's ``scale_elastic_ep_async``) share
 every step but how they wait. Each client owns one; it reads and changes the
-client's rank lists, processes and config through ``ScalableClient``.
+client's rank lists and config through ``ScalableClient``, and spawns and retires
+ranks through the client's launcher (``EngineLauncher``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
+from enginecore.client.engine_launcher import EngineLauncher
 from enginecore.client.request_router import RequestRouter
 from enginecore.config import EngineConfig
 from enginecore.errors import EngineDeadError
@@ -36,34 +37,21 @@ logger = logging.getLogger(__name__)
 
 
 class ScalableClient(Protocol):
-    """What a rescale uses of the multiprocess client (client/mp_client.py and the
-    launcher, client/engine_launcher.py)."""
+    """What a rescale uses of the multiprocess client (client/mp_client.py); the
+    ranks' processes, handshake and generation are its launcher's
+    (client/engine_launcher.py)."""
 
     config: EngineConfig
     num_engines: int
-    num_local_engines: int
     num_gpu_blocks: int
     ranks: list[int]
     identities: list[bytes]
     router: RequestRouter
-    procs: list[Any]
-    coordinator: Any
+    launcher: EngineLauncher | None
     _owner: bool
-    _front_ends: list[Any]
-    _ray: Any
     _dead: bool
-    _dp_generation: int
-    _expected_disconnects: int
-    _leaving: set[Any]
 
     def _check_alive(self) -> None: ...
-    def _engine_config(self) -> EngineConfig: ...
-    def _bind_handshake(self) -> tuple[Any, str]: ...
-    def _spawn_ranks(self, ranks: list[int], hs_address: str,
-                     config: EngineConfig) -> list[Any]: ...
-    def _init_message(self) -> Any: ...
-    def _handshake(self, handshake: Any, timeout_s: float, ranks: list[int],
-                   procs: dict[int, Any], on_all_init: Callable[[], None]) -> Any: ...
 
 
 class SyncScalableClient(ScalableClient, Protocol):
@@ -72,7 +60,6 @@ class SyncScalableClient(ScalableClient, Protocol):
     def _call(self, engine: int | None, method: str, args: tuple,
               timeout: float | None) -> Any: ...
     def _call_nowait(self, engine: int | None, method: str, args: tuple) -> Any: ...
-    def _await_input_sockets(self, count: int, timeout_s: float) -> None: ...
 
 
 class AsyncScalableClient(ScalableClient, Protocol):
@@ -88,26 +75,33 @@ class ElasticSteps:
         self.client = client
         self._lock = threading.Lock()
 
+    @property
+    def launcher(self) -> EngineLauncher:
+        """The client's launcher (``_check_scalable`` made sure it has its own)."""
+        launcher = self.client.launcher
+        assert launcher is not None
+        return launcher
+
     def _check_scalable(self, new_size: int) -> bool:
         """Validate; False when there is nothing to do."""
         c = self.client
         c._check_alive()
         if not isinstance(new_size, int) or new_size < 1:
             raise ValueError(f"new_size must be an int >= 1, got {new_size!r}")
-        if c.coordinator is None:
+        if c.launcher is None or c.launcher.coordinator is None:
             raise ValueError("elastic scaling needs data_parallel_size >= 2 with the internal "
                              "load balancer at start-up (a DP coordinator)")
-        if not c._owner or len(c._front_ends) > 1:
+        if not c._owner or len(c.launcher.front_ends) > 1:
             raise NotImplementedError("elastic scaling from a client with attached front-ends "
                                       "(client_count > 1) is not supported yet")
-        if c.num_local_engines < c.num_engines:
+        if c.launcher.num_local_engines < c.num_engines:
             raise NotImplementedError("elastic scaling with headless (remote) ranks is not "
                                       "supported yet")
         return new_size != c.num_engines
 
     def _resize_config(self, new_size: int) -> None:
         c = self.client
-        c._dp_generation += 1
+        self.launcher.dp_generation += 1
         pc = dataclasses.replace(c.config.parallel_config, data_parallel_size=new_size,
                                  data_parallel_size_local=new_size)
         c.config = dataclasses.replace(c.config, parallel_config=pc)
@@ -115,26 +109,26 @@ class ElasticSteps:
     def _new_rank_config(self) -> Any:
         """The new ranks' config: the new size, and the running ranks' KV cache size."""
         c = self.client
-        base = c._engine_config()
+        base = self.launcher.engine_config()
         cc = dataclasses.replace(base.cache_config, num_gpu_blocks_override=c.num_gpu_blocks)
         return dataclasses.replace(base, cache_config=cc)
 
     def _prepare_scale_up(self, new_size: int) -> tuple[Any, list[int], list[Any]]:
         """Spawn the new ranks (handshake socket, ranks, processes); with Ray the
         actors start in ``_start_ray_ranks`` instead."""
-        c = self.client
+        c, launcher = self.client, self.launcher
         new_ranks = list(range(c.num_engines, new_size))
         self._resize_config(new_size)
-        if c._ray is not None:
+        if launcher.ray is not None:
             return None, new_ranks, []
         config = self._new_rank_config()
-        handshake, address = c._bind_handshake()
+        handshake, address = launcher.bind_handshake()
         try:
-            procs = c._spawn_ranks(new_ranks, address, config)
+            procs = launcher.spawn_ranks(new_ranks, address, config)
         except BaseException:
             handshake.close(linger=0)
             raise
-        c.procs.extend(procs)
+        launcher.procs.extend(procs)
         return handshake, new_ranks, procs
 
     def _add_ranks(self, new_ranks: list[int]) -> None:
@@ -143,7 +137,7 @@ class ElasticSteps:
             c.ranks += new_ranks
             c.identities += [engine_identity(r) for r in new_ranks]
             c.router.add_engines(len(new_ranks))
-            c.num_engines = c.num_local_engines = len(c.ranks)
+            c.num_engines = self.launcher.num_local_engines = len(c.ranks)
 
     def _start_drain(self, new_size: int) -> list[int]:
         c = self.client
@@ -167,21 +161,21 @@ class ElasticSteps:
 
     def _leave(self, leaving: list[int]) -> list[Any]:
         # Their input connections close as they exit: not a death for the watcher.
-        c = self.client
-        c._expected_disconnects += len(leaving)
-        if c._ray is not None:
-            c._ray.leaving(leaving)
+        c, launcher = self.client, self.launcher
+        launcher.watch.expected_disconnects += len(leaving)
+        if launcher.ray is not None:
+            launcher.ray.leaving(leaving)
             procs = []
         else:
-            procs = [c.procs[e] for e in leaving]
-        c._leaving.update(procs)  # their exit is expected, not a death
+            procs = [launcher.procs[e] for e in leaving]
+        launcher.leaving.update(procs)  # their exit is expected, not a death
         self._resize_config(c.num_engines - len(leaving))
         return procs
 
     def _reap(self, procs: list[Any], new_size: int, timeout_s: float) -> None:
-        c = self.client
-        if c._ray is not None:
-            c._ray.remove(c.ranks[new_size:], timeout_s)
+        c, launcher = self.client, self.launcher
+        if launcher.ray is not None:
+            launcher.ray.remove(c.ranks[new_size:], timeout_s)
         for proc in procs:
             proc.join(timeout=timeout_s)
             if proc.is_alive():
@@ -191,14 +185,14 @@ class ElasticSteps:
         with c.router.lock:
             del c.ranks[new_size:], c.identities[new_size:]
             c.router.keep_engines(new_size)
-            c.procs[:] = [p for p in c.procs if p not in procs]
-            c.num_engines = c.num_local_engines = new_size
-        # The procs stay in _leaving: the monitor may still be looking at their exit.
+            launcher.procs[:] = [p for p in launcher.procs if p not in procs]
+            c.num_engines = launcher.num_local_engines = new_size
+        # The procs stay in launcher.leaving: the monitor may still be looking at their exit.
 
     def _log_scaled(self, old: int, t0: float) -> None:
         c = self.client
         logger.info("data parallel scaled %d -> %d ranks in %.2f s (generation %d)", old,
-                    c.num_engines, time.monotonic() - t0, c._dp_generation)
+                    c.num_engines, time.monotonic() - t0, self.launcher.dp_generation)
 
 
 class ElasticScaler(ElasticSteps):
@@ -210,11 +204,12 @@ class ElasticScaler(ElasticSteps):
         super().__init__(client)
 
     def scale(self, new_size: int, drain_timeout_s: float = 300.0,
-                         timeout_s: float = 120.0) -> None:
+              timeout_s: float = 120.0) -> None:
         """Change the number of data-parallel ranks to ``new_size`` while serving."""
         c = self.client
         if not self._check_scalable(new_size):
             return
+        launcher = self.launcher
         old, t0 = c.num_engines, time.monotonic()
         with self._lock:
             if new_size > old:
@@ -223,24 +218,25 @@ class ElasticScaler(ElasticSteps):
 
                 def commit() -> None:
                     rescale.append(c._call_nowait(None, "reinitialize_distributed",
-                                                     (new_size, c._dp_generation)))
+                                                  (new_size, launcher.dp_generation)))
 
                 if handshake is None:  # Ray: the actors get INIT up front
-                    c._ray.start(self._new_rank_config(), new_ranks, c._init_message(),
-                                    timeout_s, before_wait=commit)
+                    assert launcher.ray is not None
+                    launcher.ray.start(self._new_rank_config(), new_ranks,
+                                       launcher.init_message(), timeout_s, before_wait=commit)
                     rescale[0].result(timeout=timeout_s)
                     with c._send_lock:
-                        c._await_input_sockets(len(new_ranks), timeout_s)
+                        launcher.front_ends.await_hellos(len(new_ranks), timeout_s)
                     self._add_ranks(new_ranks)
                     self._log_scaled(old, t0)
                     return
                 try:
                     # Commit once every new rank has its INIT.
-                    c._handshake(handshake, timeout_s, new_ranks, dict(zip(new_ranks, procs)),
-                                    commit)
+                    launcher.handshake(handshake, timeout_s, new_ranks,
+                                       dict(zip(new_ranks, procs)), commit)
                     rescale[0].result(timeout=timeout_s)
                     with c._send_lock:
-                        c._await_input_sockets(len(new_ranks), timeout_s)
+                        launcher.front_ends.await_hellos(len(new_ranks), timeout_s)
                 finally:
                     handshake.close(linger=0)
                 self._add_ranks(new_ranks)
@@ -250,8 +246,8 @@ class ElasticScaler(ElasticSteps):
                 while not self._drained(leaving, deadline, drain_timeout_s):
                     time.sleep(0.02)
                 procs = self._leave(leaving)
-                c._call(None, "reinitialize_distributed", (new_size, c._dp_generation),
-                           timeout_s)
+                c._call(None, "reinitialize_distributed", (new_size, launcher.dp_generation),
+                        timeout_s)
                 self._reap(procs, new_size, timeout_s)
         self._log_scaled(old, t0)
 
@@ -266,11 +262,12 @@ class AsyncElasticScaler(ElasticSteps):
         super().__init__(client)
 
     async def scale_async(self, new_size: int, drain_timeout_s: float = 300.0,
-                                     timeout_s: float = 120.0) -> None:
+                          timeout_s: float = 120.0) -> None:
         """Change the number of data-parallel ranks to ``new_size`` while serving."""
         c = self.client
         if not self._check_scalable(new_size):
             return
+        launcher = self.launcher
         old, t0 = c.num_engines, time.monotonic()
         loop = asyncio.get_running_loop()
         if new_size > old:
@@ -279,14 +276,16 @@ class AsyncElasticScaler(ElasticSteps):
 
             def commit() -> None:  # runs on the handshake thread: hand it to the loop
                 rescale.append(asyncio.run_coroutine_threadsafe(c._call_async(
-                    None, "reinitialize_distributed", (new_size, c._dp_generation)), loop))
+                    None, "reinitialize_distributed", (new_size, launcher.dp_generation)), loop))
 
             try:
                 if handshake is None:  # Ray: the actors get INIT up front
-                    await asyncio.to_thread(c._ray.start, self._new_rank_config(), new_ranks,
-                                            c._init_message(), timeout_s, commit)
+                    assert launcher.ray is not None
+                    await asyncio.to_thread(launcher.ray.start, self._new_rank_config(),
+                                            new_ranks, launcher.init_message(), timeout_s,
+                                            commit)
                 else:
-                    await asyncio.to_thread(c._handshake, handshake, timeout_s, new_ranks,
+                    await asyncio.to_thread(launcher.handshake, handshake, timeout_s, new_ranks,
                                             dict(zip(new_ranks, procs)), commit)
                 await asyncio.wait_for(asyncio.wrap_future(rescale[0]), timeout_s)
                 for _ in new_ranks:  # their input sockets say hello
@@ -302,6 +301,6 @@ class AsyncElasticScaler(ElasticSteps):
                 await asyncio.sleep(0.02)
             procs = self._leave(leaving)
             await asyncio.wait_for(c._call_async(
-                None, "reinitialize_distributed", (new_size, c._dp_generation)), timeout_s)
+                None, "reinitialize_distributed", (new_size, launcher.dp_generation)), timeout_s)
             await asyncio.to_thread(self._reap, procs, new_size, timeout_s)
         self._log_scaled(old, t0)

@@ -1,6 +1,9 @@
-"""How a multiprocess client starts its engines: the DP coordinator, engine
-processes (or Ray actors) and their handshake, and the watchers that turn a
-dead engine into ``EngineDeadError`` for every waiter (mixed into ``MPClient``)."""
+"""How a multiprocess client starts its engines: the DP coordinator, the
+front-ends' sockets, engine processes (or Ray actors) and their handshake, the
+monitor that turns a dead engine into ``EngineDeadError`` for every waiter, and
+their teardown. The client that starts the engines owns one ``EngineLauncher``
+(``client.launcher``); elastic scaling (client/elastic.py) spawns and retires
+ranks through it."""
 
 from __future__ import annotations
 
@@ -12,17 +15,21 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 
 from enginecore import _native
-from enginecore.client.sockets import rank_devices
+from enginecore.client.engine_watch import EngineWatch, WatchedClient
+from enginecore.client.ray_engines import RayEngines
+from enginecore.client.remote_front_end import FrontEnds, FrontEndSockets, bind_front_end
+from enginecore.client.sockets import Addresses, rank_devices
 from enginecore.config import EngineConfig
+from enginecore.executor.abstract import Executor
 from enginecore.interrupts import children_ignore_sigint
 from enginecore.protocol import (
-    ENGINE_CORE_DEAD,
     HandshakeFailed,
     HandshakeHello,
     HandshakeInit,
@@ -30,13 +37,16 @@ from enginecore.protocol import (
     HandshakeReady,
 )
 from enginecore.transport import (
+    curve_wanted,
     default_key_file,
-    secure_client,
+    make_keys,
     secure_server,
     write_rank_keys,
 )
 
 logger = logging.getLogger(__name__)
+
+Process = multiprocessing.process.BaseProcess
 
 
 def _log_level(engine_log_level: int | None) -> int:
@@ -45,91 +55,169 @@ def _log_level(engine_log_level: int | None) -> int:
         return engine_log_level
     return logging.getLogger().getEffectiveLevel()
 
+
+def _running(proc: Process) -> bool:
+    """Alive by its sentinel: ``is_alive()`` says True forever for a child that
+    something else in the process reaped first (its exit code is then lost)."""
+    return proc.is_alive() and not multiprocessing.connection.wait([proc.sentinel], 0)
+
+
+class LaunchingClient(WatchedClient, Protocol):
+    """What the launcher reads of the client that owns it (client/mp_client.py).
+    ``config`` is read each time: an elastic rescale replaces it."""
+
+    config: EngineConfig
+    ranks: list[int]
+    num_engines: int
+
+
 class EngineLauncher:
-    """Start-up and liveness of the engines behind an ``MPClient`` (``self``)."""
+    """The engines behind one owning client: where they connect, their processes
+    (or actors), the coordinator and, for lockstep ranks, their group's store."""
+
+    def __init__(self, client: LaunchingClient, ctx: zmq.Context, transport: str) -> None:
+        self.client = client
+        self.ctx = ctx
+        pc = client.config.parallel_config
+        self.num_local_engines = min(pc.data_parallel_size_local, client.num_engines)
+        if pc.data_parallel_backend == "ray":
+            # Ray places every rank (on this node or others): all are ours, over TCP.
+            self.num_local_engines = client.num_engines
+            transport = "tcp"
+        if self.num_local_engines < client.num_engines:
+            # Some ranks are headless engines elsewhere: they reach us over TCP.
+            transport = "tcp"
+        self.addresses = Addresses(transport, pc.data_parallel_address)
+        # TCP: CurveZMQ with keys made for this launch; only holders of the client
+        # key (our engines, handed it out of band) get past the handshake.
+        tc = client.config.transport_config
+        self.curve = make_keys() if transport == "tcp" and curve_wanted(tc) else None
+        self.front_ends = FrontEnds()
+        self.watch = EngineWatch(client, ctx, self.front_ends, self.curve)
+        self.procs: list[Process] = []
+        self.ray: RayEngines | None = None
+        # Data parallel behind one load balancer: the coordinator process, and for
+        # lockstep ranks the store their process group meets at.
+        self.coordinator: Process | None = None
+        self.coord_addresses: dict[str, str] | None = None
+        self.dp_store: Any = None
+        self.dp_store_address: str | None = None
+        self.dp_generation = 0  # bumped by each rescale
+        # Processes that leave in a rescale: their exit is no death.
+        self.leaving: set[Process] = set()
+        self._spawn_args: dict[str, Any] = {}
+        self._handshakes = 0
+        self._monitor: threading.Thread | None = None
+        self._monitor_stop_r: Any = None
+        self._monitor_stop_w: Any = None
+
+    # -- start-up ----------------------------------------------------------------------------
+    def start(self, client_count: int, local_clients: int,
+              executor_class: type[Executor] | None, log_stats: bool, timeout_s: float,
+              engine_log_level: int | None) -> tuple[int, int]:
+        """Coordinator, front-ends (the first ``local_clients`` bound here, the rest
+        reserved for other processes), engines, watchers; (num_gpu_blocks,
+        max_model_len) of the engines."""
+        c = self.client
+        if c.num_engines > 1:
+            self._start_coordinator(engine_log_level)
+        tc = c.config.transport_config
+        for i in range(client_count):
+            if i < local_clients:
+                self.front_ends.add(bind_front_end(
+                    self.ctx, self.addresses.bind, i, tc, self.curve, self.addresses.transport))
+            else:  # bound in another process (MPClient.connect)
+                self.front_ends.add(FrontEndSockets(
+                    None, None, self.addresses.reserve(f"input{i}.sock"),
+                    self.addresses.reserve(f"output{i}.sock")))
+        if c.config.parallel_config.data_parallel_backend == "ray":
+            sizes = self._start_ray(executor_class, log_stats, timeout_s, engine_log_level)
+        else:
+            sizes = self._start_processes(executor_class, log_stats, timeout_s,
+                                          engine_log_level)
+        self._start_monitor()
+        if self.num_local_engines < c.num_engines or self.ray is not None:
+            self.watch.watch_disconnects()
+        return sizes
 
     def _start_coordinator(self, engine_log_level: int | None) -> None:
         from enginecore.core.dp_coordinator import start_coordinator
 
-        pc = self.config.parallel_config
+        config = self.client.config
+        pc = config.parallel_config
         names = ("status", "wave_request", "engine_input", "engine_output")
-        if self._addresses.dir is not None:
-            bind = {n: f"ipc://{os.path.join(self._addresses.dir, 'coord-' + n)}.sock"
+        if self.addresses.dir is not None:
+            bind = {n: f"ipc://{os.path.join(self.addresses.dir, 'coord-' + n)}.sock"
                     for n in names}
         else:
-            bind = dict.fromkeys(names, f"tcp://{self._addresses.host}")
-        self.coordinator, self._coord_addresses = start_coordinator(
+            bind = dict.fromkeys(names, f"tcp://{self.addresses.host}")
+        self.coordinator, self.coord_addresses = start_coordinator(
             pc.data_parallel_size, pc.data_parallel_lockstep, bind, _log_level(engine_log_level),
-            self.config.transport_config.max_message_bytes, self._curve, self._addresses.dir)
+            config.transport_config.max_message_bytes, self.curve, self.addresses.dir)
         if pc.data_parallel_lockstep:
             from enginecore.core.dp_group import host_store
 
-            self._dp_store, self._dp_store_address = host_store(pc.data_parallel_address)
+            self.dp_store, self.dp_store_address = host_store(pc.data_parallel_address)
         logger.info("DP coordinator pid %d (%s ranks)", self.coordinator.pid,
                     "lockstep" if pc.data_parallel_lockstep else "independent")
 
-    def _connect_coordinator(self) -> None:
-        if self._coord_addresses is not None:
-            from enginecore.client.dp_link import CoordinatorLink
-
-            self.router.link = CoordinatorLink(self.ctx, self._coord_addresses,
-                                         self.config.parallel_config.data_parallel_lockstep,
-                                         self._curve)
-
-    # -- start-up ----------------------------------------------------------------------------
-    def _start_engine(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
-        """Spawn one engine per data-parallel rank and run the handshake with all."""
-        config, level = self._engine_config(), _log_level(engine_log_level)
+    def _start_processes(self, executor_class: type[Executor] | None, log_stats: bool,
+                         timeout_s: float, engine_log_level: int | None) -> tuple[int, int]:
+        """Spawn one engine per local data-parallel rank and run the handshake with all."""
+        c = self.client
+        config, level = self.engine_config(), _log_level(engine_log_level)
         self._spawn_args = dict(executor_class=executor_class, log_stats=log_stats,
                                 handshake_timeout_s=timeout_s, log_level=level)
-        headless = self.num_local_engines < self.num_engines
-        if headless and self._curve is not None:
+        headless = self.num_local_engines < c.num_engines
+        if headless and self.curve is not None:
             # The ranks elsewhere get their keys out of band: this 0600 file (or its
             # content in ENGINECORE_CURVE_KEYS), copied by whoever starts them.
-            path = write_rank_keys(self._curve, self.config.transport_config.curve_key_file
-                                   or default_key_file(self.config))
-            self._addresses.remove_at_cleanup(path)
+            path = write_rank_keys(self.curve, config.transport_config.curve_key_file
+                                   or default_key_file(config))
+            self.addresses.remove_at_cleanup(path)
             logger.warning("CURVE keys for the headless ranks of this launch: %s (0600)", path)
-        handshake, hs_address = self._bind_handshake(
-            self.config.parallel_config.data_parallel_rpc_port if headless else 0)
+        handshake, hs_address = self.bind_handshake(
+            config.parallel_config.data_parallel_rpc_port if headless else 0)
         try:
-            local = self.ranks[: self.num_local_engines]
-            self.procs.extend(self._spawn_ranks(local, hs_address, config))
-            ready = self._handshake(handshake, timeout_s, self.ranks, dict(zip(local, self.procs)))
-            first = ready[self.ranks[0]]
-            self.num_gpu_blocks = first.num_gpu_blocks
-            self.max_model_len = first.max_model_len
-            self._await_input_sockets(self.num_engines, timeout_s)
+            local = c.ranks[: self.num_local_engines]
+            self.procs.extend(self.spawn_ranks(local, hs_address, config))
+            ready = self.handshake(handshake, timeout_s, c.ranks, dict(zip(local, self.procs)))
+            first = ready[c.ranks[0]]
+            self.front_ends.await_hellos(c.num_engines, timeout_s)
         finally:
             handshake.close(linger=0)
+        return first.num_gpu_blocks, first.max_model_len
 
-    def _engine_config(self) -> EngineConfig:
-        config = self.config
+    def engine_config(self) -> EngineConfig:
+        """The config the engines get: this process's hot-path choice, the ranks' keys."""
+        config = self.client.config
         if config.use_native is None:
             # The engines follow this process's hot-path choice (env or set_native).
             config = dataclasses.replace(config, use_native=_native._enabled and
                                          _native._ext is not None)
-        if self._curve is not None:
+        if self.curve is not None:
             # The ranks' CURVE keys ride in their config (the spawn pipe, Ray's
             # arguments), never over a socket; the server secret stays here.
             config = dataclasses.replace(config, transport_config=dataclasses.replace(
-                config.transport_config, curve_keys=self._curve.for_ranks()))
+                config.transport_config, curve_keys=self.curve.for_ranks()))
         return config
 
-    def _bind_handshake(self, port: int = 0) -> tuple[zmq.Socket, str]:
+    def bind_handshake(self, port: int = 0) -> tuple[zmq.Socket, str]:
+        """A fresh handshake ROUTER (one per start and per scale-up) and its address."""
         handshake = self.ctx.socket(zmq.ROUTER)
         handshake.setsockopt(zmq.LINGER, 0)
-        secure_server(handshake, self._curve)
-        self._handshakes = getattr(self, "_handshakes", 0) + 1
+        secure_server(handshake, self.curve)
+        self._handshakes += 1
         try:
-            return handshake, self._addresses.bind(
+            return handshake, self.addresses.bind(
                 handshake, f"handshake{self._handshakes}.sock", port)
         except BaseException:
             handshake.close(linger=0)
             raise
 
-    def _spawn_ranks(self, ranks: list[int], hs_address: str, config: EngineConfig,
-                     ) -> list[multiprocessing.process.BaseProcess]:
+    def spawn_ranks(self, ranks: list[int], hs_address: str, config: EngineConfig,
+                    ) -> list[Process]:
+        """One engine process per rank, told to say HELLO at ``hs_address``."""
         from enginecore.core.engine_process import run_engine_core
 
         devices = rank_devices(config)
@@ -143,7 +231,7 @@ class EngineLauncher:
                 target=run_engine_core, name=f"EngineCore_DP{rank}",
                 kwargs=dict(config=rank_config, handshake_address=hs_address,
                             engine_index=rank, parent_pid=os.getpid(),
-                            ipc_dir=self._addresses.dir,
+                            ipc_dir=self.addresses.dir,
                             visible_devices=devices[rank % len(devices)] if devices else None,
                             **self._spawn_args),
                 daemon=True)
@@ -152,45 +240,35 @@ class EngineLauncher:
             procs.append(proc)
         return procs
 
-    def _await_input_sockets(self, count: int, timeout_s: float) -> None:
-        """Each engine's input sockets say hello once connected; only then can we route."""
-        for i, (inp, _, _, _) in enumerate(self._front_ends):
-            if inp is None:
-                continue  # bound in another process, which waits for its own hellos
-            for _ in range(count):
-                if not inp.poll(int(timeout_s * 1000)):
-                    raise TimeoutError(f"an engine did not connect its input socket for "
-                                       f"front-end {i} within {timeout_s:g} s")
-                inp.recv_multipart()
-
-    def _init_message(self) -> bytes:
+    def init_message(self) -> bytes:
         """INIT: where an engine connects, and the parallel settings."""
-        pc = self.config.parallel_config
-        coord = self._coord_addresses or {}
+        pc = self.client.config.parallel_config
+        coord = self.coord_addresses or {}
         return msgspec.msgpack.encode(HandshakeInit(
-            [fe[2] for fe in self._front_ends], [fe[3] for fe in self._front_ends],
+            self.front_ends.input_addresses, self.front_ends.output_addresses,
             pc.data_parallel_rank, pc.data_parallel_size,
             coordinator_input_address=coord.get("engine_input"),
             coordinator_output_address=coord.get("engine_output"),
-            dp_store_address=self._dp_store_address, dp_group_generation=self._dp_generation))
+            dp_store_address=self.dp_store_address, dp_group_generation=self.dp_generation))
 
-    def _start_ray(self, executor_class, log_stats, timeout_s, engine_log_level) -> None:
+    def _start_ray(self, executor_class: type[Executor] | None, log_stats: bool,
+                   timeout_s: float, engine_log_level: int | None) -> tuple[int, int]:
         """Ranks as Ray actors: addresses known up front, no handshake socket."""
-        from enginecore.client.ray_engines import RayEngines
+        c = self.client
+        self.ray = RayEngines(executor_class, log_stats, _log_level(engine_log_level))
+        sizes = self.ray.start(self.engine_config(), c.ranks, self.init_message(), timeout_s)
+        self.front_ends.await_hellos(c.num_engines, timeout_s)
+        self.ray.watch(self.watch.announce_dead)
+        return sizes
 
-        self._ray = RayEngines(executor_class, log_stats, _log_level(engine_log_level))
-        self.num_gpu_blocks, self.max_model_len = self._ray.start(
-            self._engine_config(), self.ranks, self._init_message(), timeout_s)
-        self._await_input_sockets(self.num_engines, timeout_s)
-        self._ray.watch(self._announce_dead)
-
-    def _handshake(self, handshake: zmq.Socket, timeout_s: float, ranks: list[int],
-                   local: dict[int, multiprocessing.process.BaseProcess],
-                   on_all_hello: Any = None) -> dict[int, HandshakeReady]:
+    def handshake(self, handshake: zmq.Socket, timeout_s: float, ranks: list[int],
+                  local: dict[int, Process],
+                  on_all_hello: Callable[[], None] | None = None,
+                  ) -> dict[int, HandshakeReady]:
         """HELLO -> INIT -> READY with ``ranks``; ``on_all_hello()`` runs once every
         one of them has its INIT (an elastic scale-up triggers the rescale there)."""
         decoder = msgspec.msgpack.Decoder(HandshakeMessage)
-        init = self._init_message()
+        init = self.init_message()
         said_hello: set[int] = set()
         ready: dict[int, HandshakeReady] = {}
         deadline = time.monotonic() + timeout_s
@@ -229,90 +307,63 @@ class EngineLauncher:
                 raise RuntimeError(f"engine {msg.engine_index} failed to start: {msg.error}")
         return ready
 
-    def _watch_remote_ranks(self) -> None:
-        """Ranks we have no process handle for (headless, Ray): their input
-        connection dropping means they died."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        monitor = self.input_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self_ref = weakref.ref(self)
-
-        def watch() -> None:
-            while True:
-                try:
-                    if not monitor.poll(200):
-                        client = self_ref()
-                        if client is None or client._closed:
-                            break
-                        del client
-                        continue
-                    event = recv_monitor_message(monitor)
-                except zmq.ZMQError:
-                    break
-                client = self_ref()
-                if client is None or client._closed:
-                    break
-                if event["event"] == zmq.EVENT_DISCONNECTED and client._expected_disconnects:
-                    client._expected_disconnects -= 1  # a rank that left in a rescale
-                elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    client._announce_dead(f"an engine disconnected from {client.input_address} "
-                                          "(a remote rank died or its node went away)")
-                    break
-                del client
-            monitor.close(linger=0)
-
-        self._remote_watch = threading.Thread(target=watch, daemon=True,
-                                              name="enginecore-remote-watch")
-        self._remote_watch.start()
-
-    def _announce_dead(self, why: str) -> None:
-        """An engine is gone: every front-end's output socket gets ENGINE_CORE_DEAD,
-        so each waiter learns it at once."""
-        if self._closed:
-            return
-        logger.error("%s", why)
-        self._dead = True
-        for address in [fe[3] for fe in self._front_ends]:
-            try:
-                push = self.ctx.socket(zmq.PUSH)
-                push.setsockopt(zmq.LINGER, 1000)
-                secure_client(push, address, self._curve)
-                push.connect(address)
-                push.send(ENGINE_CORE_DEAD)
-                push.close()
-            except zmq.ZMQError:
-                pass
-
-    def _watched(self) -> list[multiprocessing.process.BaseProcess]:
-        procs = [p for p in self.procs if p not in self._leaving]
+    # -- liveness and teardown -----------------------------------------------------------------
+    def watched(self) -> list[Process]:
+        """The processes whose exit is a death: engines (not leaving ones), coordinator."""
+        procs = [p for p in self.procs if p not in self.leaving]
         return procs + ([self.coordinator] if self.coordinator is not None else [])
 
     def _start_monitor(self) -> None:
         """Turn an engine (or the coordinator) dying into ENGINE_CORE_DEAD on our
         own output sockets. Ranks leaving in a rescale exit without alarm."""
+        # Both ends kept here: the read end closing when the thread ends would make
+        # stop_engines' send a BrokenPipeError.
         self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
         stop_r = self._monitor_stop_r
+        # Held weakly: a client dropped without shutdown (and collected) stops it.
         self_ref = weakref.ref(self)
 
         def monitor() -> None:
             while True:
-                client = self_ref()
-                if client is None or client._closed:
+                launcher = self_ref()
+                if launcher is None or launcher.client._closed:
                     return
-                watched = {p.sentinel: p for p in client._watched()}
-                del client
+                watched = {p.sentinel: p for p in launcher.watched()}
+                del launcher
                 # Re-read the set now and then: a rescale adds and removes ranks.
                 ready = multiprocessing.connection.wait([*watched, stop_r], timeout=0.5)
                 if stop_r in ready:
                     return
-                client = self_ref()
-                if client is None or client._closed:
+                launcher = self_ref()
+                if launcher is None or launcher.client._closed:
                     return
-                died = [watched[s] for s in ready if watched[s] not in client._leaving]
+                died = [watched[s] for s in ready if watched[s] not in launcher.leaving]
                 if died:
                     break
-            client._announce_dead(", ".join(
+            launcher.watch.announce_dead(", ".join(
                 f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}" for p in died))
 
         self._monitor = threading.Thread(target=monitor, daemon=True, name="enginecore-monitor")
         self._monitor.start()
+
+    def stop_engines(self) -> None:
+        """Stop the watchers, then the engines and the coordinator (SIGTERM: they
+        shut down cleanly; SIGKILL for one that ignores it)."""
+        if self._monitor_stop_w is not None:
+            self._monitor_stop_w.send(b"x")
+        if self.coordinator is not None and self.coordinator.is_alive():
+            self.coordinator.terminate()
+        if self.ray is not None:
+            self.ray.shutdown()
+        for proc in self.procs:
+            if _running(proc):
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if _running(proc):
+                logger.warning("%s ignored SIGTERM; killing it", proc.name)
+                proc.kill()
+                proc.join(timeout=5)
+        if self.coordinator is not None:
+            self.coordinator.join(timeout=5)
+        self.dp_store = None

@@ -4,6 +4,9 @@ The client binds the sockets (IPC in a private 0700 directory by default, or
 TCP on loopback), spawns the engine, runs the handshake and watches the
 process: if it dies for any reason (crash, kill -9, OOM) every waiter gets
 ``EngineDeadError`` at once, not after a timeout.
+
+Its parts are owned objects: ``router``, ``pending_calls``, ``elastic``, and for
+the client that starts the engines its ``launcher`` (client/engine_launcher.py).
 """
 
 from __future__ import annotations
@@ -11,24 +14,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from enginecore.client.core_client import EngineCoreClient
+from enginecore.client.dp_link import CoordinatorLink
 from enginecore.client.elastic import AsyncElasticScaler, ElasticScaler
-from enginecore.client.engine_launcher import EngineLauncher
-from enginecore.client.remote_front_end import RemoteFrontEnds, bind_front_end
+from enginecore.client.engine_launcher import EngineLauncher, Process
+from enginecore.client.engine_watch import EngineWatch
+from enginecore.client.remote_front_end import FrontEndHandoff, FrontEnds, FrontEndSockets
 from enginecore.client.request_router import RequestRouter
-from enginecore.client.sockets import Addresses
 from enginecore.client.utility_calls import PendingCall, PendingCalls
 from enginecore.config import EngineConfig
 from enginecore.core.utility import signature_of
@@ -43,14 +46,11 @@ from enginecore.protocol import (
     encode_request,
     engine_identity,
 )
-from enginecore.transport import (
-    curve_wanted,
-    make_keys,
-    new_context,
-    start_authenticator,
-)
+from enginecore.transport import new_context, start_authenticator
 
 logger = logging.getLogger(__name__)
+
+_Client = TypeVar("_Client", bound="MPClient")
 
 
 def _shut_down() -> EngineDeadError:
@@ -62,13 +62,16 @@ _ABORT = EngineCoreRequestType.ABORT.value
 _UTILITY = EngineCoreRequestType.UTILITY.value
 
 
-def _running(proc: multiprocessing.process.BaseProcess) -> bool:
-    """Alive by its sentinel: ``is_alive()`` says True forever for a child that
-    something else in the process reaped first (its exit code is then lost)."""
-    return proc.is_alive() and not multiprocessing.connection.wait([proc.sentinel], 0)
+class MPClient(EngineCoreClient):
+    # The engines' launcher: this client's own, or (attached in process) its
+    # primary's; None for a front-end attached from another process.
+    launcher: EngineLauncher | None = None
+    # Death notices for this client's front-ends: the launcher's, or (attached
+    # from another process) this client's own; None when attached in process.
+    watch: EngineWatch | None = None
+    _auth: Any = None
+    _own_context = False  # attached from another process: the context is ours to close
 
-
-class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
     def __init__(
         self,
         config: EngineConfig,
@@ -90,59 +93,21 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         local_clients = client_count if local_client_count is None else local_client_count
         if not 1 <= local_clients <= client_count:
             raise ValueError(f"local_client_count must be in [1, {client_count}]")
-        pc = config.parallel_config
-        self.num_local_engines = min(pc.data_parallel_size_local, self.num_engines)
-        self._ray: Any = None
-        if pc.data_parallel_backend == "ray":
-            # Ray places every rank (on this node or others): all are ours, over TCP.
-            self.num_local_engines = self.num_engines
-            transport = "tcp"
-        if self.num_local_engines < self.num_engines:
-            # Some ranks are headless engines elsewhere: they reach us over TCP.
-            transport = "tcp"
-        self._addresses = Addresses(transport, pc.data_parallel_address)
         self.ctx = new_context(config)
-        # TCP: CurveZMQ with keys made for this launch; only holders of the client
-        # key (our engines, handed it out of band) get past the handshake.
-        tc = config.transport_config
-        self._curve = make_keys() if transport == "tcp" and curve_wanted(tc) else None
-        self._auth = start_authenticator(self.ctx, self._curve)
-        self.procs: list[multiprocessing.process.BaseProcess] = []
-        # (request socket, output socket, their addresses); sockets None for a
-        # front-end reserved for another process.
-        self._front_ends: list[tuple[zmq.Socket | None, zmq.Socket | None, str, str]] = []
-        # Data parallel behind one load balancer: the coordinator process, and for
-        # lockstep ranks the store their process group meets at.
-        self.coordinator: multiprocessing.process.BaseProcess | None = None
-        self._coord_addresses: dict[str, str] | None = None
-        self._dp_store: Any = None
-        self._dp_store_address: str | None = None
-        self._dp_generation = 0
-        self._leaving: set[multiprocessing.process.BaseProcess] = set()
-        self._expected_disconnects = 0
         try:
-            if self.num_engines > 1:
-                self._start_coordinator(engine_log_level)
-            for i in range(client_count):
-                if i < local_clients:
-                    self._front_ends.append(bind_front_end(
-                        self.ctx, self._addresses.bind, i, tc, self._curve,
-                        self._addresses.transport))
-                else:  # bound in another process (RemoteFrontEnds.connect)
-                    self._front_ends.append((None, None, self._addresses.reserve(f"input{i}.sock"),
-                                             self._addresses.reserve(f"output{i}.sock")))
-            (self.input_socket, self.output_socket, self.input_address,
-             self.output_address) = self._front_ends[0]
-            if pc.data_parallel_backend == "ray":
-                self._start_ray(executor_class, log_stats, handshake_timeout_s,
-                                engine_log_level)
-            else:
-                self._start_engine(executor_class, log_stats, handshake_timeout_s,
-                                   engine_log_level)
-            self._start_monitor()
-            if self.num_local_engines < self.num_engines or self._ray is not None:
-                self._watch_remote_ranks()
-            self._connect_coordinator()
+            self.launcher = EngineLauncher(self, self.ctx, transport)
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            raise
+        self.watch = self.launcher.watch
+        self._curve = self.launcher.curve
+        self._auth = start_authenticator(self.ctx, self._curve)
+        try:
+            self.num_gpu_blocks, self.max_model_len = self.launcher.start(
+                client_count, local_clients, executor_class, log_stats, handshake_timeout_s,
+                engine_log_level)
+            self._use_front_end(self.launcher.front_ends[0])
+            self._connect_coordinator(self.launcher.coord_addresses)
         except BaseException:
             self.shutdown()
             raise
@@ -169,39 +134,100 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         # Utility calls waiting for their replies (settled by the output reader).
         self.pending_calls = PendingCalls()
 
-    def attach(self, client_index: int) -> MPClient:
+    def _use_front_end(self, front_end: FrontEndSockets) -> None:
+        """This client's own request and output sockets (bound in this process)."""
+        assert front_end.input_socket is not None and front_end.output_socket is not None
+        self.input_socket: zmq.Socket = front_end.input_socket
+        self.output_socket: zmq.Socket = front_end.output_socket
+        self.input_address = front_end.input_address
+        self.output_address = front_end.output_address
+
+    def _connect_coordinator(self, addresses: dict[str, str] | None) -> None:
+        """With a DP coordinator: balance by its counts, follow its waves."""
+        if addresses is not None:
+            self.router.link = CoordinatorLink(
+                self.ctx, addresses, self.config.parallel_config.data_parallel_lockstep,
+                self._curve)
+
+    def _owned_launcher(self) -> EngineLauncher:
+        if not self._owner or self.launcher is None:
+            raise RuntimeError("only the client that started the engines attaches or hands "
+                               "over front-ends")
+        return self.launcher
+
+    def attach(self: _Client, client_index: int) -> _Client:
         """Another front-end (same class) on this client's engine; it does not own
         the engine process, so its ``shutdown`` leaves the engine running."""
-        if not self._owner:
-            raise RuntimeError("attach from the client that started the engine")
-        if not 0 < client_index < len(self._front_ends):
-            raise ValueError(f"client_index must be in [1, {len(self._front_ends)})")
-        if self._front_ends[client_index][0] is None:
-            raise ValueError(f"front-end {client_index} is reserved for another process: "
-                             "pass handoff(client_index) to connect() there")
+        launcher = self._owned_launcher()
+        front_end = launcher.front_ends.local(client_index)
         other = type(self).__new__(type(self))
         other._init_common(self.config, client_index)
         other._owner = False
         other._primary = self
+        other.launcher = launcher
         other.ctx = self.ctx
         other._curve = self._curve
-        other.procs = self.procs
-        other.coordinator = self.coordinator
-        other._coord_addresses = self._coord_addresses
-        other._front_ends = []
-        other._connect_coordinator()
-        (other.input_socket, other.output_socket, other.input_address,
-         other.output_address) = self._front_ends[client_index]
+        other.num_gpu_blocks, other.max_model_len = self.num_gpu_blocks, self.max_model_len
+        other._connect_coordinator(launcher.coord_addresses)
+        other._use_front_end(front_end)
         other._post_init()
         return other
+
+    def handoff(self, client_index: int) -> FrontEndHandoff:
+        """What another process passes to ``connect`` to be front-end ``client_index``
+        (one reserved with ``local_client_count``; client/remote_front_end.py)."""
+        launcher = self._owned_launcher()
+        front_end = launcher.front_ends.reserved(client_index)
+        return FrontEndHandoff(self.config, client_index, len(launcher.front_ends),
+                               front_end.input_address, front_end.output_address,
+                               launcher.coord_addresses, self.num_gpu_blocks,
+                               self.max_model_len, os.getpid(), self._curve)
+
+    @classmethod
+    def connect(cls: type[_Client], handoff: FrontEndHandoff,
+                timeout_s: float = 60.0) -> _Client:
+        """Attach to the engines as ``handoff.client_index``, in this process. The
+        client does not own the engines: its ``shutdown`` leaves them running."""
+        client = cls.__new__(cls)
+        client._init_common(handoff.config, handoff.client_index)
+        client._owner = False
+        client._own_context = True
+        client.ctx = new_context(handoff.config)
+        client._curve = handoff.curve
+        client._auth = start_authenticator(client.ctx, handoff.curve)
+        client.num_gpu_blocks = handoff.num_gpu_blocks
+        client.max_model_len = handoff.max_model_len
+        try:
+            front_ends = FrontEnds.for_handoff(client.ctx, handoff)
+            client.watch = EngineWatch(client, client.ctx, front_ends, handoff.curve)
+            client._use_front_end(front_ends[0])
+            front_ends.await_hellos(client.num_engines, timeout_s)
+            client.watch.watch_disconnects()
+            client._connect_coordinator(handoff.coordinator_addresses)
+            client._post_init()
+        except BaseException:
+            client.shutdown()
+            raise
+        return client
 
     def _post_init(self) -> None:
         """Set-up of the subclasses (output reader); runs for attached clients too."""
 
     @property
-    def proc(self) -> multiprocessing.process.BaseProcess | None:
+    def procs(self) -> list[Process]:
+        """The engine processes (none with Ray, or attached from another process)."""
+        return self.launcher.procs if self.launcher is not None else []
+
+    @property
+    def proc(self) -> Process | None:
         """The (first) engine process."""
-        return self.procs[0] if self.procs else None
+        procs = self.procs
+        return procs[0] if procs else None
+
+    @property
+    def coordinator(self) -> Process | None:
+        """The DP coordinator process, when this process started one."""
+        return self.launcher.coordinator if self.launcher is not None else None
 
     # -- sending -------------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -283,35 +309,19 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
             self.router.link.close()
         self._wake_on_shutdown()
         if not self._owner:
-            if getattr(self, "_own_context", False):  # attached from another process
-                self._join_socket_threads()
-                if self._auth is not None:
-                    self._auth.stop()
-                self._close_sockets()
+            if self._own_context:  # attached from another process
+                self._release_context()
             return
-        if hasattr(self, "_monitor_stop_w"):
-            self._monitor_stop_w.send(b"x")
-        if self.coordinator is not None and self.coordinator.is_alive():
-            self.coordinator.terminate()
-        if self._ray is not None:
-            self._ray.shutdown()
-        for proc in self.procs:
-            if _running(proc):
-                proc.terminate()  # SIGTERM: the engine shuts down cleanly
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if _running(proc):
-                logger.warning("%s ignored SIGTERM; killing it", proc.name)
-                proc.kill()
-                proc.join(timeout=5)
-        if self.coordinator is not None:
-            self.coordinator.join(timeout=5)
-        self._dp_store = None
+        assert self.launcher is not None
+        self.launcher.stop_engines()
+        self._release_context()
+        self.launcher.addresses.cleanup()
+
+    def _release_context(self) -> None:
         self._join_socket_threads()
         if self._auth is not None:
             self._auth.stop()
         self._close_sockets()
-        self._addresses.cleanup()
 
     def _wake_on_shutdown(self) -> None:
         """Subclasses: whoever waits for outputs or a utility reply gets
@@ -323,11 +333,13 @@ class MPClient(EngineLauncher, RemoteFrontEnds, EngineCoreClient):
         sockets after they are gone: zmq sockets are not thread-safe, and closing
         one another thread is polling crashed the process (a segfault in CI, on
         the Ray path, where shutdown has no processes to wait for first)."""
-        for thread in (getattr(self, "_reader", None), getattr(self, "_remote_watch", None)):
-            if isinstance(thread, threading.Thread) and thread is not threading.current_thread():
-                thread.join(timeout=2)
-                if thread.is_alive():
-                    logger.warning("%s did not stop; closing its sockets anyway", thread.name)
+        reader = getattr(self, "_reader", None)
+        if isinstance(reader, threading.Thread) and reader is not threading.current_thread():
+            reader.join(timeout=2)
+            if reader.is_alive():
+                logger.warning("%s did not stop; closing its sockets anyway", reader.name)
+        if self.watch is not None:
+            self.watch.join()
 
     def _close_sockets(self) -> None:
         self.ctx.destroy(linger=0)

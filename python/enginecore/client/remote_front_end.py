@@ -1,4 +1,5 @@
-"""Front-ends in other processes: the process that starts the engines reserves
+"""The front-ends of one engine set (``FrontEnds``: every engine connects to each),
+and front-ends in other processes: the process that starts the engines reserves
 the addresses of front-ends 1..N-1, and another process attaches as one of them.
 
 Why this shape: every engine connects its request (DEALER) and output (PUSH)
@@ -15,25 +16,19 @@ over a socket).
 Liveness across the boundary: the owner's engine monitor already announces a dead
 engine on every front-end's output address (reserved ones included), and the
 attached front-end also watches its request socket for an engine disconnecting
-(an engine dies with its owner, which it watches by parent pid).
+(client/engine_watch.py; an engine dies with its owner, which it watches by
+parent pid).
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
 from enginecore.config import EngineConfig, TransportConfig
-from enginecore.transport import (
-    CurveKeys,
-    new_context,
-    secure_server,
-    set_heartbeats,
-    start_authenticator,
-)
+from enginecore.transport import CurveKeys, secure_server, set_heartbeats
 
 
 @dataclass(frozen=True)
@@ -55,16 +50,27 @@ class FrontEndHandoff:
     curve: CurveKeys | None = None
 
 
-def bind_front_end(ctx: zmq.Context, bind: Any, index: int, tc: TransportConfig,
-                   curve: CurveKeys | None, transport: str
-                   ) -> tuple[zmq.Socket, zmq.Socket, str, str]:
+@dataclass(frozen=True)
+class FrontEndSockets:
+    """One front-end: its request ROUTER and output PULL, and their addresses. The
+    sockets are None for a front-end reserved for another process."""
+
+    input_socket: zmq.Socket | None
+    output_socket: zmq.Socket | None
+    input_address: str
+    output_address: str
+
+
+def bind_front_end(ctx: zmq.Context, bind: Callable[[zmq.Socket, str], str], index: int,
+                   tc: TransportConfig, curve: CurveKeys | None, transport: str,
+                   ) -> FrontEndSockets:
     """Front-end ``index``'s request ROUTER and output PULL, bound by ``bind(socket,
     name)`` (which returns the address); CURVE servers when ``curve`` (TCP)."""
     inp = ctx.socket(zmq.ROUTER)
     inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
     inp.setsockopt(zmq.LINGER, 0)
     # TCP heartbeats (none on IPC): a rank whose node goes away drops its
-    # connection after heartbeat_timeout_s (see _watch_remote_ranks).
+    # connection after heartbeat_timeout_s (see EngineWatch.watch_disconnects).
     set_heartbeats(inp, f"{transport}://", tc)
     secure_server(inp, curve)
     in_addr = bind(inp, f"input{index}.sock")
@@ -72,44 +78,72 @@ def bind_front_end(ctx: zmq.Context, bind: Any, index: int, tc: TransportConfig,
     out.setsockopt(zmq.LINGER, 0)
     secure_server(out, curve)
     out_addr = bind(out, f"output{index}.sock")
-    return inp, out, in_addr, out_addr
+    return FrontEndSockets(inp, out, in_addr, out_addr)
 
 
-class RemoteFrontEnds:
-    """Mixed into ``MPClient``: reserving front-ends for other processes, handing
-    them over, and attaching from the other side."""
+class FrontEnds:
+    """The front-ends an engine set connects to, in client-index order: those bound
+    in this process and those reserved for others. The launcher fills it (every
+    front-end of the launch); a front-end attached from another process has a table
+    of its own one (``for_handoff``)."""
 
-    def handoff(self, client_index: int) -> FrontEndHandoff:
-        if not getattr(self, "_owner", False):
-            raise RuntimeError("only the client that started the engines hands front-ends over")
-        if not 0 < client_index < len(self._front_ends):
-            raise ValueError(f"client_index must be in [1, {len(self._front_ends)})")
-        inp, _, in_addr, out_addr = self._front_ends[client_index]
-        if inp is not None:
+    def __init__(self) -> None:
+        self._all: list[FrontEndSockets] = []
+
+    def add(self, front_end: FrontEndSockets) -> None:
+        self._all.append(front_end)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __getitem__(self, index: int) -> FrontEndSockets:
+        return self._all[index]
+
+    @property
+    def input_addresses(self) -> list[str]:
+        return [fe.input_address for fe in self._all]
+
+    @property
+    def output_addresses(self) -> list[str]:
+        return [fe.output_address for fe in self._all]
+
+    def _check_index(self, client_index: int) -> FrontEndSockets:
+        if not 0 < client_index < len(self._all):
+            raise ValueError(f"client_index must be in [1, {len(self._all)})")
+        return self._all[client_index]
+
+    def local(self, client_index: int) -> FrontEndSockets:
+        """Front-end ``client_index``, bound here (``MPClient.attach``)."""
+        fe = self._check_index(client_index)
+        if fe.input_socket is None:
+            raise ValueError(f"front-end {client_index} is reserved for another process: "
+                             "pass handoff(client_index) to connect() there")
+        return fe
+
+    def reserved(self, client_index: int) -> FrontEndSockets:
+        """Front-end ``client_index``, reserved for another process (``MPClient.handoff``)."""
+        fe = self._check_index(client_index)
+        if fe.input_socket is not None:
             raise ValueError(f"front-end {client_index} is bound in this process (use attach); "
                              "start the client with local_client_count to reserve it")
-        return FrontEndHandoff(self.config, client_index, len(self._front_ends), in_addr,
-                               out_addr, self._coord_addresses, self.num_gpu_blocks,
-                               self.max_model_len, os.getpid(), self._curve)
+        return fe
+
+    def await_hellos(self, count: int, timeout_s: float) -> None:
+        """Each of ``count`` engines says hello on every request socket bound here once
+        connected; only then can we route."""
+        for i, fe in enumerate(self._all):
+            if fe.input_socket is None:
+                continue  # bound in another process, which waits for its own hellos
+            for _ in range(count):
+                if not fe.input_socket.poll(int(timeout_s * 1000)):
+                    raise TimeoutError(f"an engine did not connect its input socket for "
+                                       f"front-end {i} within {timeout_s:g} s")
+                fe.input_socket.recv_multipart()
 
     @classmethod
-    def connect(cls, handoff: FrontEndHandoff, timeout_s: float = 60.0) -> Any:
-        """Attach to the engines as ``handoff.client_index``, in this process. The
-        client does not own the engines: its ``shutdown`` leaves them running."""
-        client = cls.__new__(cls)
-        client._init_common(handoff.config, handoff.client_index)
-        client._owner = False
-        client._own_context = True
-        client.ctx = new_context(handoff.config)
-        client._curve = handoff.curve
-        client._auth = start_authenticator(client.ctx, handoff.curve)
-        client.procs = []
-        client.coordinator = None
-        client._coord_addresses = handoff.coordinator_addresses
-        client._expected_disconnects = 0
-        client._leaving = set()
-        client.num_gpu_blocks = handoff.num_gpu_blocks
-        client.max_model_len = handoff.max_model_len
+    def for_handoff(cls, ctx: zmq.Context, handoff: FrontEndHandoff) -> FrontEnds:
+        """Bind, in this process, the addresses the owner reserved for the handed-over
+        front-end: a table of that one."""
         addresses = iter((handoff.input_address, handoff.output_address))
 
         def bind(sock: zmq.Socket, _name: str) -> str:
@@ -117,20 +151,8 @@ class RemoteFrontEnds:
             sock.bind(address)
             return address
 
-        try:
-            client._front_ends = [bind_front_end(
-                client.ctx, bind, handoff.client_index, handoff.config.transport_config,
-                handoff.curve, handoff.input_address.split("://")[0])]
-            (client.input_socket, client.output_socket, client.input_address,
-             client.output_address) = client._front_ends[0]
-            client._await_input_sockets(client.num_engines, timeout_s)
-            client._watch_remote_ranks()
-            client._connect_coordinator()
-            client._post_init()
-        except BaseException:
-            client._closed = True
-            if client._auth is not None:
-                client._auth.stop()
-            client.ctx.destroy(linger=0)
-            raise
-        return client
+        table = cls()
+        table.add(bind_front_end(ctx, bind, handoff.client_index,
+                                 handoff.config.transport_config, handoff.curve,
+                                 handoff.input_address.split("://")[0]))
+        return table
