@@ -321,6 +321,23 @@ class PyRequestTable:
             self._cache_full(slot, pool, num_computed + num_new_tokens)
         return new
 
+    def _grow(self, slot: int, num_new_tokens: int, max_model_len: int) -> list[int] | None:
+        """``allocate_slots`` for a running request (no prefix hits, no lookahead),
+        on values the loop already holds checked: schedule_running_py's slow path."""
+        pool = self.block_pool
+        blocks = self.block_ids[slot]
+        bs = self.block_size
+        num_computed = self.num_computed[slot]
+        num_needed = min(num_computed + num_new_tokens, max_model_len)
+        num_new = -(-num_needed // bs) - len(blocks)
+        if num_new > pool.num_free_blocks:
+            return None
+        new = pool.get_new_blocks(num_new) if num_new > 0 else []
+        blocks.extend(new)
+        if pool.enable_caching:
+            self._cache_full(slot, pool, num_computed + num_new_tokens)
+        return new
+
     def free_blocks(self, slot: int) -> None:
         """Release the row's blocks, tail first so its tail is evicted first."""
         self._check(slot)

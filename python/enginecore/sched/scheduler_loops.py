@@ -21,13 +21,13 @@ from typing import Any, NamedTuple
 
 from enginecore import _native
 from enginecore.sched.arg_checks import (
-    HASHABLE_MAX, boolean, check_hashable, int64, token_list)
+    HASHABLE_MAX, INT64_MAX, INT64_MIN, boolean, check_hashable, int64, token_list)
 from enginecore.sched.request_table import (
     PREEMPTED, RUNNING, STOP_TOKEN, PyRequestTable)
 
 
 class RunningSchedule(NamedTuple):
-    """What ``schedule_running`` returns (a plain tuple from C++)."""
+    """The fields of the tuple ``schedule_running`` returns (on both paths)."""
     token_budget: int  # left
     scheduled: list  # Request objects, in running order
     new_block_ids: list  # per scheduled request: its new block ids, or None
@@ -40,7 +40,7 @@ class RunningSchedule(NamedTuple):
 
 
 class DecodeUpdate(NamedTuple):
-    """What ``update_decodes`` returns (a plain tuple from C++)."""
+    """The fields of the tuple ``update_decodes`` returns (on both paths)."""
     plain: dict  # client -> ([request ids], [[token]]): unfinished plain decodes
     deferred: list  # (request id, token ids): not plain, for Scheduler._update_request
     finished: list  # (request id, token ids, stop token or None): status already set
@@ -80,15 +80,23 @@ def schedule_running_py(table: PyRequestTable, running: list, skip: Any, in_flig
     """Schedule the running requests in order while the token budget lasts.
     ``skip``: ids passed over this step (in flight, or not probed); ``in_flight``:
     ids a preemption must spare (or None). Preempted requests leave ``running``."""
-    # The native binding's argument checks, before anything changes.
-    _check_arg(table, PyRequestTable, "table")
-    _check_arg(running, list, "running")
-    _check_in_flight(in_flight, (set, frozenset))
-    token_budget = int64(token_budget, "token_budget")
-    threshold = int64(threshold, "threshold")
-    max_len_1 = int64(max_len_1, "max_len_1")
-    max_model_len = int64(max_model_len, "max_model_len")
-    priority = boolean(priority, "priority")
+    # The native binding's argument checks, before anything changes (the
+    # scheduler's own arguments pass the first test; anything else the thorough one).
+    if not (type(table) is PyRequestTable and type(running) is list
+            and (in_flight is None or type(in_flight) is set) and type(priority) is bool
+            and type(token_budget) is int and type(threshold) is int
+            and type(max_len_1) is int and type(max_model_len) is int
+            and INT64_MIN <= token_budget <= INT64_MAX and INT64_MIN <= threshold <= INT64_MAX
+            and INT64_MIN <= max_len_1 <= INT64_MAX
+            and INT64_MIN <= max_model_len <= INT64_MAX):
+        _check_arg(table, PyRequestTable, "table")
+        _check_arg(running, list, "running")
+        _check_in_flight(in_flight, (set, frozenset))
+        token_budget = int64(token_budget, "token_budget")
+        threshold = int64(threshold, "threshold")
+        max_len_1 = int64(max_len_1, "max_len_1")
+        max_model_len = int64(max_model_len, "max_model_len")
+        priority = boolean(priority, "priority")
     tokens, num_computed, spec_col, rids = (table.tokens, table.num_computed, table.spec,
                                             table.request_id)
     blocks_col, cached_col, hashes_col = table.block_ids, table.num_cached_blocks, table.hashes
@@ -132,7 +140,8 @@ def schedule_running_py(table: PyRequestTable, running: list, skip: Any, in_flig
                 table._cache_full(s, table.block_pool, end)
         else:
             while True:
-                new = table.allocate_slots(s, num_new, 0, [], 0, max_model_len)
+                new = (table._grow(s, num_new, max_model_len) if table.block_pool is not None
+                       else table.allocate_slots(s, num_new, 0, [], 0, max_model_len))
                 if new is not None:
                     break
                 victim_index = _pick_victim_py(table, running, in_flight, priority)
@@ -178,8 +187,9 @@ def schedule_running_py(table: PyRequestTable, running: list, skip: Any, in_flig
         num_computed[s] = computed + num_scheduled[rid]
         if has_grammar[s]:
             any_grammar = True
-    return RunningSchedule(token_budget, scheduled, new_block_ids, num_scheduled, spec_tokens,
-                           preempted, req_ids, before, any_grammar)
+    # A plain tuple with RunningSchedule's fields, as the native loop returns.
+    return (token_budget, scheduled, new_block_ids, num_scheduled, spec_tokens,  # type: ignore[return-value]
+            preempted, req_ids, before, any_grammar)
 
 
 def update_decodes_py(table: PyRequestTable, slot_of: dict, scheduled: dict, sampled: list,
@@ -189,15 +199,21 @@ def update_decodes_py(table: PyRequestTable, slot_of: dict, scheduled: dict, sam
     live request id -> slot). A request that is not running any more (aborted,
     preempted while its batch ran) is passed over; one whose update raises is
     reported in ``failed`` and the rest go on."""
-    _check_arg(table, PyRequestTable, "table")
-    for arg, name in ((slot_of, "slot_of"), (scheduled, "scheduled"), (index_of, "index_of")):
-        _check_arg(arg, dict, name)
-    _check_arg(sampled, list, "sampled")
-    _check_arg(req_ids, list, "req_ids")
-    _check_in_flight(in_flight, set)
-    max_model_len = int64(max_model_len, "max_model_len")
+    if not (type(table) is PyRequestTable and type(slot_of) is dict
+            and type(scheduled) is dict and type(index_of) is dict and type(sampled) is list
+            and type(req_ids) is list and (in_flight is None or type(in_flight) is set)
+            and type(max_model_len) is int and INT64_MIN <= max_model_len <= INT64_MAX):
+        _check_arg(table, PyRequestTable, "table")
+        for arg, name in ((slot_of, "slot_of"), (scheduled, "scheduled"),
+                          (index_of, "index_of")):
+            _check_arg(arg, dict, name)
+        _check_arg(sampled, list, "sampled")
+        _check_arg(req_ids, list, "req_ids")
+        _check_in_flight(in_flight, set)
+        max_model_len = int64(max_model_len, "max_model_len")
     status, tokens, has_grammar, client_col = (table.status, table.tokens, table.has_grammar,
                                                table.client_index)
+    hash_blocks, hashes, bs = table.hash_blocks, table.hashes, table.block_size
     plain: dict[int, tuple[list, list]] = {}
     deferred: list = []
     finished: list = []
@@ -234,8 +250,10 @@ def update_decodes_py(table: PyRequestTable, slot_of: dict, scheduled: dict, sam
                 token_list((tok,))
                 if table.hash_blocks[s]:
                     check_hashable([tok])
-            tokens[s].append(tok)
-            table._extend_hashes(s)
+            row = tokens[s]
+            row.append(tok)
+            if hash_blocks[s] and len(row) >= (len(hashes[s]) + 1) * bs:
+                table._extend_hashes(s)
             why = table._check_stop(s, max_model_len)
             if why:
                 finished.append((rid, toks, toks[0] if why == STOP_TOKEN else None))
@@ -252,7 +270,7 @@ def update_decodes_py(table: PyRequestTable, slot_of: dict, scheduled: dict, sam
         except Exception as e:  # noqa: BLE001 - that request's failure only
             failed.append((rid, f"{type(e).__name__}: {e}"))
             last_client = -1
-    return DecodeUpdate(plain, deferred, finished, failed)
+    return (plain, deferred, finished, failed)  # type: ignore[return-value] # DecodeUpdate's fields
 
 
 def _check_arg(value: Any, kind: type, name: str) -> None:
