@@ -23,7 +23,6 @@ from enginecore.sched.block_pool import PyBlockPool
 
 # RequestStatus values (request.py), which csrc/request_table.h mirrors.
 WAITING, RUNNING, PREEMPTED, STOPPED, LENGTH = 0, 1, 2, 3, 4
-FINISHED = STOPPED
 # check_stop's answer: why the request stopped.
 NOT_STOPPED, STOP_LENGTH, STOP_EOS, STOP_TOKEN = 0, 1, 2, 3
 
@@ -304,6 +303,15 @@ class PyRequestTable:
             raise ValueError("token counts must be >= 0")
         if num_new_tokens == 0 and not new_computed_blocks:
             raise ValueError("num_new_tokens must be positive")
+        return self._allocate(slot, num_new_tokens, num_new_computed_tokens,
+                              new_computed_blocks, num_lookahead_tokens, max_model_len)
+
+    def _allocate(self, slot: int, num_new_tokens: int, num_new_computed_tokens: int,
+                  new_computed_blocks: list[int], num_lookahead_tokens: int,
+                  max_model_len: int) -> list[int] | None:
+        """``allocate_slots`` on values already checked (schedule_running_py's
+        block growth calls it directly)."""
+        pool = self.block_pool
         blocks = self.block_ids[slot]
         bs = self.block_size
         num_computed = self.num_computed[slot] + num_new_computed_tokens
@@ -315,23 +323,6 @@ class PyRequestTable:
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-        new = pool.get_new_blocks(num_new) if num_new > 0 else []
-        blocks.extend(new)
-        if pool.enable_caching:
-            self._cache_full(slot, pool, num_computed + num_new_tokens)
-        return new
-
-    def _grow(self, slot: int, num_new_tokens: int, max_model_len: int) -> list[int] | None:
-        """``allocate_slots`` for a running request (no prefix hits, no lookahead),
-        on values the loop already holds checked: schedule_running_py's slow path."""
-        pool = self.block_pool
-        blocks = self.block_ids[slot]
-        bs = self.block_size
-        num_computed = self.num_computed[slot]
-        num_needed = min(num_computed + num_new_tokens, max_model_len)
-        num_new = -(-num_needed // bs) - len(blocks)
-        if num_new > pool.num_free_blocks:
-            return None
         new = pool.get_new_blocks(num_new) if num_new > 0 else []
         blocks.extend(new)
         if pool.enable_caching:

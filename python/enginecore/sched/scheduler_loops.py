@@ -140,7 +140,8 @@ def schedule_running_py(table: PyRequestTable, running: list, skip: Any, in_flig
                 table._cache_full(s, table.block_pool, end)
         else:
             while True:
-                new = (table._grow(s, num_new, max_model_len) if table.block_pool is not None
+                new = (table._allocate(s, num_new, 0, [], 0, max_model_len)
+                       if table.block_pool is not None
                        else table.allocate_slots(s, num_new, 0, [], 0, max_model_len))
                 if new is not None:
                     break
