@@ -7,7 +7,9 @@ namespace py = pybind11;
 namespace enginecore {
 void bind_block_hash(py::module_& m);
 void bind_blocking_queue(py::module_& m);
+void bind_cpu_info(py::module_& m);
 void bind_fused_ops(py::module_& m);
+void bind_greedy_sampler(py::module_& m);
 void bind_output_encoder(py::module_& m);
 void bind_paged_attention(py::module_& m);
 void bind_block_pool(py::module_& m);
@@ -27,7 +29,9 @@ PYBIND11_MODULE(_C, m) {
         "Version of the package the extension was built for.");
   enginecore::bind_block_hash(m);
   enginecore::bind_blocking_queue(m);
+  enginecore::bind_cpu_info(m);
   enginecore::bind_fused_ops(m);
+  enginecore::bind_greedy_sampler(m);
   enginecore::bind_output_encoder(m);
   enginecore::bind_paged_attention(m);
   enginecore::bind_block_pool(m);

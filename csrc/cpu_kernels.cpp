@@ -14,6 +14,7 @@ namespace enginecore {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 namespace isa_avx512 {
 #include "cpu_kernels_impl.h"
+#include "cpu_kernels_argmax_impl.h"
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
@@ -21,36 +22,33 @@ namespace isa_avx512 {
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
 #include "cpu_kernels_impl.h"
+#include "cpu_kernels_argmax_impl.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
 #endif
 
 namespace isa_baseline {
 #include "cpu_kernels_impl.h"
+#include "cpu_kernels_argmax_impl.h"
 }  // namespace isa_baseline
 
 namespace {
 
-template <typename Attend, typename Norm, typename Rope, typename Silu>
-CpuKernels table(const char* isa, Attend a, Norm n, Rope r, Silu s) {
-  return CpuKernels{isa, a, n, r, s};
-}
+#define ECK_TABLE(name, ns) \
+  CpuKernels { name, ns::attend_items, ns::rms_norm, ns::rope, ns::silu_and_mul, ns::argmax_rows }
 
 CpuKernels choose() {
 #ifdef ENGINECORE_MULTI_ISA
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return table("avx512", isa_avx512::attend_items, isa_avx512::rms_norm, isa_avx512::rope,
-                 isa_avx512::silu_and_mul);
+    return ECK_TABLE("avx512", isa_avx512);
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return table("avx2", isa_avx2::attend_items, isa_avx2::rms_norm, isa_avx2::rope,
-                 isa_avx2::silu_and_mul);
+    return ECK_TABLE("avx2", isa_avx2);
   }
 #endif
-  return table("baseline", isa_baseline::attend_items, isa_baseline::rms_norm,
-               isa_baseline::rope, isa_baseline::silu_and_mul);
+  return ECK_TABLE("baseline", isa_baseline);
 }
 
 }  // namespace

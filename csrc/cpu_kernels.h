@@ -1,4 +1,4 @@
-// CPU model kernels (paged attention, RMSNorm, RoPE, SiLU-and-mul): their
+// CPU model kernels (paged attention, RMSNorm, RoPE, SiLU-and-mul, argmax): their
 // parameter blocks and the per-instruction-set table cpu_kernels() picks.
 // Tensors arrive as raw pointers and element strides from Python (no libtorch).
 #pragma once
@@ -83,12 +83,21 @@ struct SiluMulParams {
   int width;
 };
 
+struct ArgmaxParams {
+  DType dtype;
+  const void* x;  // [rows, cols]
+  int64_t row_stride;
+  int cols;
+  int64_t* out;  // [rows]
+};
+
 struct CpuKernels {
   const char* isa;
   void (*attend)(const AttnParams&, const AttnItem&, float* scratch);
   void (*rms_norm)(const RmsNormParams&, int64_t row_begin, int64_t row_end);
   void (*rope)(const RopeParams&, int64_t token_begin, int64_t token_end);
   void (*silu_and_mul)(const SiluMulParams&, int64_t row_begin, int64_t row_end);
+  void (*argmax)(const ArgmaxParams&, int64_t row_begin, int64_t row_end);
 };
 
 // The best variant this CPU runs (AVX-512, AVX2 or baseline), chosen once.

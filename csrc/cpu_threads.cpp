@@ -11,6 +11,9 @@
 
 #if defined(__linux__)
 #include <dlfcn.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "loaded_library.h"
@@ -20,8 +23,11 @@ namespace {
 
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
 
+using OmpGetThreadNum = int (*)();
+
 struct OpenMP {
   GompParallel parallel = nullptr;
+  OmpGetThreadNum thread_num = nullptr;
   std::string path;
 };
 
@@ -38,6 +44,7 @@ const OpenMP& openmp() {
     if (handle == nullptr) handle = find_loaded_library("libgomp", &path);
     if (handle == nullptr) return;
     omp.parallel = reinterpret_cast<GompParallel>(dlsym(handle, "GOMP_parallel"));
+    omp.thread_num = reinterpret_cast<OmpGetThreadNum>(dlsym(handle, "omp_get_thread_num"));
     Dl_info info;
     if (omp.parallel != nullptr && dladdr(reinterpret_cast<void*>(omp.parallel), &info) != 0 &&
         info.dli_fname != nullptr) {
@@ -80,5 +87,39 @@ void parallel_for(int64_t n, int num_threads, void (*fn)(void*, int64_t), void* 
 }
 
 std::string openmp_runtime_path() { return openmp().path; }
+
+namespace {
+
+struct BindJob {
+  const std::vector<int>* cpus;
+  std::vector<int64_t>* tids;
+  OmpGetThreadNum thread_num;
+};
+
+void bind_team_member(void* data) {
+  auto* job = static_cast<BindJob*>(data);
+  const int t = job->thread_num();
+  if (t < 0 || t >= static_cast<int>(job->cpus->size())) return;
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET((*job->cpus)[t], &set);
+  // pid 0: the calling thread only (Linux's per-thread affinity).
+  if (sched_setaffinity(0, sizeof(set), &set) == 0) {
+    (*job->tids)[t] = static_cast<int64_t>(syscall(SYS_gettid));
+  }
+#endif
+}
+
+}  // namespace
+
+std::vector<int64_t> bind_team(const std::vector<int>& cpus) {
+  std::vector<int64_t> tids(cpus.size(), -1);
+  const OpenMP& omp = openmp();
+  if (cpus.empty() || omp.parallel == nullptr || omp.thread_num == nullptr) return tids;
+  BindJob job{&cpus, &tids, omp.thread_num};
+  omp.parallel(bind_team_member, &job, static_cast<unsigned>(cpus.size()), 0);
+  return tids;
+}
 
 }  // namespace enginecore

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace enginecore {
 
@@ -15,5 +16,11 @@ void parallel_for(int64_t n, int num_threads, void (*fn)(void* ctx, int64_t i), 
 
 // Path of the OpenMP runtime parallel_for uses, or "" when it runs serially.
 std::string openmp_runtime_path();
+
+// Binds thread i of a team of cpus.size() threads of that runtime to cpus[i]
+// (libgomp reuses the same threads for every later team of that size, so the
+// binding holds for torch's ops and our kernels once torch runs that many
+// threads). Returns each thread's Linux tid, -1 where binding failed.
+std::vector<int64_t> bind_team(const std::vector<int>& cpus);
 
 }  // namespace enginecore

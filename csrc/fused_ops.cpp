@@ -82,13 +82,6 @@ void silu_and_mul(uintptr_t x, int64_t x_stride, uintptr_t out, int64_t out_stri
   split_rows(p, cpu_kernels().silu_and_mul, rows, 2LL * width, num_threads);
 }
 
-py::dict cpu_kernels_info() {
-  py::dict d;
-  d["isa"] = cpu_kernels().isa;
-  d["openmp"] = openmp_runtime_path();
-  return d;
-}
-
 }  // namespace
 
 void bind_fused_ops(py::module_& m) {
@@ -104,9 +97,6 @@ void bind_fused_ops(py::module_& m) {
   m.def("silu_and_mul", &silu_and_mul, py::arg("x"), py::arg("x_stride"), py::arg("out"),
         py::arg("out_stride"), py::arg("rows"), py::arg("width"), py::arg("dtype"),
         py::arg("num_threads"), "out = silu(gate) * up for rows of [gate | up].");
-  m.def("cpu_kernels_info", &cpu_kernels_info,
-        "The instruction set the CPU model kernels run with and the OpenMP runtime "
-        "(torch's) they split work on ('' = serial).");
 }
 
 }  // namespace enginecore

@@ -184,6 +184,18 @@ def silu_and_mul(x: int, x_stride: int, out: int, out_stride: int, rows: int, wi
                  dtype: int, num_threads: int) -> None:
     """out = silu(gate) * up for rows of [gate | up]."""
 
-def cpu_kernels_info() -> dict[str, str]:
-    """The instruction set the CPU model kernels run with and the OpenMP runtime (torch's)
-    they split work on ('' = serial)."""
+def cpu_kernels_info() -> dict[str, str | bool]:
+    """The instruction set the CPU model kernels run with (``isa``: avx512 / avx2 /
+    baseline), the OpenMP runtime (torch's) they split work on (``openmp``, '' = serial),
+    the CPU's ``avx2`` / ``avx512f`` / ``avx512_bf16`` / ``amx`` (CPUID and the OS's
+    XSAVE state), ``amx_permission`` (Linux's arch_prctl: granted / not requested) and
+    ``amx_kernels`` (none ship)."""
+
+def bind_openmp_threads(cpus: list[int]) -> list[int]:
+    """Bind thread i of torch's OpenMP team of len(cpus) threads to cpus[i]; returns each
+    thread's tid (-1: not bound). Twin: ``executor.cpu_threads.bind_openmp_threads_py``."""
+
+def greedy_argmax(logits: int, row_stride: int, rows: int, cols: int, out: int, dtype: int,
+                  num_threads: int) -> None:
+    """out[r] (int64) = the first index of the maximum of logits row r, a NaN counting as
+    the maximum (twin: ``model.sampler.greedy_argmax_py``, torch.argmax)."""

@@ -1,6 +1,12 @@
 """enginecore: an engine core for LLM serving (scheduler, paged KV cache with
 prefix caching, model executor), with native hot paths and pure-Python twins."""
 
+# First, before anything can load torch (and with it libgomp, which reads its wait
+# policy once): the engine's compute threads sleep instead of spinning (omp_env.py).
+from enginecore.omp_env import apply_default_wait_policy
+
+apply_default_wait_policy()
+
 from enginecore._native import native_available
 from enginecore.config import EngineArgs, EngineConfig
 from enginecore.core.engine_core import EngineCore
@@ -37,9 +43,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AsyncLLM",
     "LLM",
-    "RequestOutputKind",
+    "AsyncLLM",
     "EngineArgs",
     "EngineConfig",
     "EngineCore",
@@ -51,6 +56,7 @@ __all__ = [
     "EngineGenerateError",
     "FinishReason",
     "LoRARequest",
+    "RequestOutputKind",
     "SamplingParams",
     "SchedulerStats",
     "UtilityOutput",

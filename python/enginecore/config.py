@@ -78,6 +78,10 @@ class ExecutorConfig:
     synthetic_step_latency_s: float = 0.0
     # start_profile / stop_profile write torch profiler traces here (None: off).
     profiler_dir: str | None = None
+    # CPU compute threads (None: one per core) and their binding (None: the
+    # environment's VLLM_CPU_OMP_THREADS_BIND, else auto); executor/cpu_threads.py.
+    cpu_threads: int | None = None
+    cpu_threads_bind: str | None = None
 
 
 @dataclass
@@ -281,6 +285,13 @@ class EngineArgs:
         None, G_ENGINE, "uniproc (the model runner in the engine process) or synthetic (no "
         "model, a measuring instrument); default: what the model needs",
         choices=get_args(ExecutorBackend))
+    cpu_threads: int | None = arg(
+        None, G_ENGINE, "CPU: compute threads of the engine (default: one per physical core, "
+        "one core left to the front-end above two cores)")
+    cpu_threads_bind: str | None = arg(
+        None, G_ENGINE, "CPU: bind the compute threads: auto, nobind, or CPU lists per local "
+        "data-parallel rank such as 0-3|4-7 (default: VLLM_CPU_OMP_THREADS_BIND, else auto)",
+        metavar="CPUS")
     synthetic_step_latency_s: float = arg(0.0, G_ENGINE, "synthetic executor: seconds per step")
     synthetic_vocab_size: int = arg(32000, G_ENGINE, "synthetic model: vocabulary size")
     synthetic_eos_token_id: int | None = arg(None, G_ENGINE, "synthetic model: its EOS token (default: none)")
@@ -386,6 +397,8 @@ class EngineArgs:
                 max_concurrent_batches=self.max_concurrent_batches,
                 synthetic_step_latency_s=self.synthetic_step_latency_s,
                 profiler_dir=self.profiler_dir,
+                cpu_threads=self.cpu_threads,
+                cpu_threads_bind=self.cpu_threads_bind,
             ),
             use_native=self.use_native,
             log_stats=self.log_stats,
@@ -451,6 +464,8 @@ class EngineArgs:
             raise bad("prefill_schedule_interval", ">= 1")
         if self.executor_backend not in (None, *get_args(ExecutorBackend)):
             raise bad("executor_backend", f"one of {get_args(ExecutorBackend)}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise bad("cpu_threads", ">= 1")
         if self.synthetic_step_latency_s < 0:
             raise bad("synthetic_step_latency_s", ">= 0")
         if self.speculative_method != "ngram":

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import threading
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
+from enginecore.executor.cpu_threads import apply_thread_plan, plan_threads
 from enginecore.executor.profiler import TorchProfiler
 from enginecore.protocol import LoRARequest
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -48,6 +49,13 @@ class UniProcExecutor(Executor):
     RPC_METHODS = frozenset({"echo", "device_info"})
 
     def _init_executor(self) -> None:
+        if self.config.model_config.device == "cpu":
+            # Before the weights load: torch's thread team (and its binding) is set once.
+            ec, pc = self.config.executor_config, self.config.parallel_config
+            apply_thread_plan(plan_threads(ec.cpu_threads, ec.cpu_threads_bind,
+                                           pc.data_parallel_rank_local % max(
+                                               pc.data_parallel_size_local, 1),
+                                           max(pc.data_parallel_size_local, 1)))
         if self.config.model_config.task == "embed":
             from enginecore.model.pooling_runner import PoolingModelRunner
 

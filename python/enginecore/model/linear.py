@@ -14,17 +14,30 @@ packing, float16, CUDA) calls ``F.linear`` on the plain weight.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 
+@functools.cache
+def cpu_packs_bf16() -> bool:
+    """oneDNN's bf16 weight reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on
+    an AVX2-only CPU it raises, so bf16 weights stay plain there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     if os.environ.get("ENGINECORE_PACK_WEIGHTS", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and cpu_packs_bf16())
 
 
 class Linear:

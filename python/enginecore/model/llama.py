@@ -309,9 +309,11 @@ class LlamaForCausalLM:
         return add_rms_norm(h, delta, self.norm, eps, plus_one)[1]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits of ``hidden``'s rows; ``float32=False`` keeps the model dtype (greedy
+        sampling needs no float32 copy: the conversion is exact, the argmax the same)."""
         logits = self.lm_head_proj(hidden)
         cap = self.cfg.final_logit_softcap
         if cap:  # Gemma 2, in the model dtype as transformers does
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float() if float32 else logits

@@ -18,7 +18,7 @@ from enginecore.model.llama import LlamaForCausalLM
 from enginecore.model.lora import LoRABatch, LoRAError, LoRAWeights, load_lora
 from enginecore.protocol import LoRARequest
 from enginecore.model.ngram_proposer import NgramProposer
-from enginecore.model.sampler import Sampler, SamplingRow
+from enginecore.model.sampler import Sampler, SamplerOutput, SamplingRow, greedy_argmax, plain_greedy
 from enginecore.sampling_params import SamplingParams
 from enginecore.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 
@@ -208,8 +208,12 @@ class ModelRunner:
                                         outputs + drafts[:j], len(st.token_ids) + j,
                                         st.eos_token_id, masks.get(st.req_id)))
         idx = torch.tensor(flat, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
-        out = self.sampler(logits, rows)
+        if plain_greedy(rows):  # argmax of the model-dtype logits (sampler.py)
+            logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False)
+            out = SamplerOutput(greedy_argmax(logits), [None] * len(rows))
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
+            out = self.sampler(logits, rows)
         sampled: list[list[int]] = [[] for _ in req_ids]
         want_lp = any(lp is not None for lp in out.logprobs)
         logprobs: list | None = [None] * len(req_ids) if want_lp else None

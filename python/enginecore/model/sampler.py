@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from enginecore import _native
 from enginecore.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -35,6 +36,44 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: (token ids rows, logprob rows, ranks) for one sampled position, or None.
     logprobs: list[tuple[list[int], list[float], int] | None]
+
+
+# dtype codes of the native kernels (csrc/cpu_kernels.h DType)
+_ARGMAX_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Every row takes the argmax of the raw logits: greedy, and nothing that reads
+    or changes the logits first (logprobs, penalties, bias, allowed / bad words,
+    grammar masks, min_tokens still banning EOS or stop tokens)."""
+    for r in rows:
+        p = r.params
+        if (not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias
+                or p.allowed_token_ids is not None or p.bad_words_token_ids
+                or r.allowed_bitmask is not None):
+            return False
+        if len(r.output_ids) < p.min_tokens and (
+                p.stop_token_ids or (r.eos_token_id is not None and not p.ignore_eos)):
+            return False
+    return True
+
+
+def greedy_argmax_py(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum (torch.argmax, NaN the maximum)."""
+    return logits.argmax(dim=-1).tolist()
+
+
+def greedy_argmax(logits: torch.Tensor) -> list[int]:
+    """Greedy tokens of [rows, vocab] logits in the model dtype: native on the CPU
+    for float32 / bfloat16 (one pass, no float32 copy), else the twin."""
+    ext = _native.extension()
+    if (ext is None or logits.device.type != "cpu" or logits.dtype not in _ARGMAX_DTYPES
+            or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0):
+        return greedy_argmax_py(logits)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    ext.greedy_argmax(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+                      out.data_ptr(), _ARGMAX_DTYPES[logits.dtype], torch.get_num_threads())
+    return out.tolist()
 
 
 def _position_seed(seed: int, position: int) -> int:

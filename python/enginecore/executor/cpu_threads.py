@@ -1,0 +1,167 @@
+"""How many compute threads an engine on the CPU runs, and on which cores.
+
+vLLM's knobs, same spellings and meaning:
+
+* ``VLLM_CPU_OMP_THREADS_BIND`` (or ``EngineArgs.cpu_threads_bind``): ``auto``
+  (default), ``nobind`` / ``all`` (no binding), or a CPU list such as ``0-3,8``;
+  ``|`` separates the lists of the data-parallel ranks on this node
+  (``0-3|4-7``: local rank 0 on CPUs 0-3, rank 1 on 4-7). One thread per listed CPU.
+* ``VLLM_CPU_NUM_OF_RESERVED_CPU``: with ``auto``, CPUs left to the front-end
+  (API server, tokenizer, output processing); default 1.
+* ``EngineArgs.cpu_threads`` (``--cpu-threads``): at most this many threads.
+
+``auto``: one CPU per physical core (SMT siblings are left out: two threads on
+one core contend for the same FMA units), the reserved CPUs taken off the end,
+the rest split among the node's local ranks; threads are bound one per CPU.
+On a machine of two cores or fewer nothing is reserved and nothing is bound: the
+engine needs both cores, and the kernel must stay free to move a thread off a core
+that another process holds (binding there halves throughput under contention,
+docs/benchmarks.md). The wait policy (spin, then sleep) is set earlier, before
+torch loads OpenMP (omp_env.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from enginecore import _native, omp_env
+
+logger = logging.getLogger(__name__)
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+# Up to this many usable cores, auto reserves and binds nothing.
+SMALL_MACHINE_CORES = 2
+
+_applied: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    num_threads: int
+    cpus: tuple[int, ...] | None  # bind thread i to cpus[i]; None: no binding
+    why: str
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11] (Linux's cpulist format)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list {text!r}: {part!r} is not N or N-M") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU list {text!r}: {part!r} is not an ascending range")
+        cpus.extend(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"bad CPU list {text!r}: no CPUs")
+    return list(dict.fromkeys(cpus))
+
+
+def one_cpu_per_core(cpus: list[int]) -> list[int]:
+    """The first allowed CPU of each physical core (by sysfs topology)."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "core_id") as f:
+                core = f.read().strip()
+            with open(base + "physical_package_id") as f:
+                pkg = f.read().strip()
+        except OSError:
+            return list(cpus)  # no topology: every CPU counts
+        if (pkg, core) not in seen:
+            seen.add((pkg, core))
+            out.append(cpu)
+    return out
+
+
+def plan_threads(cpu_threads: int | None, bind: str | None, local_rank: int = 0,
+                 local_ranks: int = 1, allowed: list[int] | None = None,
+                 environ: dict[str, str] | None = None) -> ThreadPlan:
+    """The thread count and binding for one engine (pure: tested without threads)."""
+    env = os.environ if environ is None else environ
+    bind = (bind or env.get(BIND_ENV) or "auto").strip()
+    allowed = sorted(os.sched_getaffinity(0)) if allowed is None else allowed
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
+    if bind in ("nobind", "all"):
+        n = cpu_threads or len(one_cpu_per_core(allowed))
+        return ThreadPlan(n, None, f"{BIND_ENV}={bind}: {n} threads, not bound")
+    if bind != "auto":
+        lists = bind.split("|")
+        if local_rank >= len(lists):
+            raise ValueError(f"{BIND_ENV}={bind!r} names {len(lists)} CPU list(s) but this is "
+                             f"local data-parallel rank {local_rank}")
+        cpus = parse_cpu_list(lists[local_rank])
+        outside = sorted(set(cpus) - set(allowed))
+        if outside:
+            raise ValueError(f"{BIND_ENV}={bind!r}: CPUs {outside} are not in this process's "
+                             f"affinity mask {allowed}")
+        cpus = cpus[:cpu_threads] if cpu_threads else cpus
+        return ThreadPlan(len(cpus), tuple(cpus), f"{BIND_ENV}: bound to {cpus}")
+    cores = one_cpu_per_core(allowed)
+    if len(cores) <= SMALL_MACHINE_CORES * local_ranks:
+        per_rank = max(1, len(cores) // local_ranks)
+        n = min(cpu_threads or per_rank, per_rank)
+        return ThreadPlan(n, None, f"auto: {len(cores)} cores, {n} threads, nothing reserved "
+                                   "or bound (small machine)")
+    try:
+        reserved = int(env.get(RESERVED_ENV, "1"))
+    except ValueError:
+        raise ValueError(f"{RESERVED_ENV} must be an integer, got {env[RESERVED_ENV]!r}") from None
+    if not 0 <= reserved < len(cores):
+        raise ValueError(f"{RESERVED_ENV}={reserved} leaves no core of {len(cores)} to compute")
+    usable = cores[: len(cores) - reserved]
+    per_rank = len(usable) // local_ranks
+    if per_rank < 1:
+        raise ValueError(f"{len(usable)} cores (after {reserved} reserved) cannot hold "
+                         f"{local_ranks} local data-parallel ranks")
+    cpus = usable[local_rank * per_rank:(local_rank + 1) * per_rank]
+    cpus = cpus[:cpu_threads] if cpu_threads else cpus
+    return ThreadPlan(len(cpus), tuple(cpus),
+                      f"auto: bound to {cpus}, {reserved} core(s) left to the front-end")
+
+
+def bind_openmp_threads_py(cpus: list[int]) -> list[int]:
+    """Without the extension no code runs on torch's OpenMP workers, so the twin of
+    ``_C.bind_openmp_threads`` confines every thread of the process to the set as
+    a whole (the kernel still places them); returns the thread ids it set."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    done = []
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            done.append(tid)
+        except OSError:  # the thread ended meanwhile
+            pass
+    return done
+
+
+def apply_thread_plan(plan: ThreadPlan) -> None:
+    """Set torch's intra-op thread count, then bind its team as planned."""
+    torch.set_num_threads(plan.num_threads)
+    bound = None
+    if plan.cpus is not None:
+        ext = _native.extension()
+        fn = ext.bind_openmp_threads if ext is not None else bind_openmp_threads_py
+        bound = fn(list(plan.cpus))
+    _applied.update(plan=plan, bound=bound)
+    logger.info("CPU threads: %s; wait policy: %s", plan.why, omp_env.describe_wait_policy())
+
+
+def describe() -> str:
+    """This process's thread policy in one line (benchmarks print it)."""
+    plan = _applied.get("plan")
+    head = plan.why if isinstance(plan, ThreadPlan) else f"{torch.get_num_threads()} threads"
+    return f"{head}; wait: {omp_env.describe_wait_policy()}"
