@@ -102,3 +102,21 @@ def test_binding_pins_each_team_thread(hot_path):
     out = subprocess.run([sys.executable, "-c", BIND, hot_path], check=True,
                          capture_output=True, text=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_vllm_cpu_kvcache_space_sizes_the_cache(tmp_path, monkeypatch):
+    from enginecore import EngineArgs, EngineCore
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "m"), "llama", seed=1)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.001")  # ~1 MiB
+    eng = EngineCore(EngineArgs(model=model, dtype="float32", block_size=4,
+                                max_model_len=64).create_engine_config())
+    spec = eng.model_executor.get_kv_cache_specs()
+    blocks = eng.config.cache_config.num_gpu_blocks
+    eng.shutdown()
+    assert blocks == int(0.001 * 2**30) // spec.page_size_bytes
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
+        EngineCore(EngineArgs(model=model, dtype="float32", block_size=4,
+                              max_model_len=64).create_engine_config())

@@ -10,7 +10,6 @@ import torch
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 from enginecore.model.sampler import SamplingRow, greedy_argmax, plain_greedy
-
 from helpers import run_to_completion
 from tiny_models import hf_greedy, make_tiny_model
 

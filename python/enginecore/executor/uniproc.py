@@ -97,6 +97,16 @@ class UniProcExecutor(Executor):
         device = self.runner.device
         if device.type == "cuda":
             return self._profile_cuda_memory()
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+        if space not in ("", "0"):  # vLLM's knob: GiB of KV cache (0: the default)
+            try:
+                gib = float(space)
+            except ValueError:
+                raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be GiB (a number), got "
+                                 f"{space!r}") from None
+            if not gib > 0:
+                raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be > 0 GiB, got {space!r}")
+            return int(gib * 2**30)
         avail = mem_available_bytes()
         budget = min(int(avail * DEFAULT_CPU_KV_FRACTION), DEFAULT_CPU_KV_CAP)
         logger.info("CPU KV cache budget: %.2f GiB (%.0f%% of %.1f GiB available, capped at "

@@ -43,7 +43,7 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
 class Linear:
     """y = x W^T (+ b) for x [tokens, in_features]."""
 
-    __slots__ = ("weight", "packed", "bias", "out_features", "in_features")
+    __slots__ = ("bias", "in_features", "out_features", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  pack: bool = False) -> None:
