@@ -1,0 +1,117 @@
+"""Where a decode step goes, at batch 1 / 8 / 32 / 64 on the default model (issue 22,
+item 1): torch's profiler over a few decode steps of the in-process engine, with
+every native kernel (``enginecore._C``) wrapped in a ``record_function`` of its
+name for this run only (the engine itself carries no profiler hooks).
+
+Run: python bench/profile_step.py [--batches 1,8,32,64] [--steps 6] [--dtype auto]
+
+Categories: GEMMs (torch's linear / matmul / oneDNN ops, the LM head included),
+the native kernels by name, other torch ops, and the rest of the step (Python
+orchestration: scheduler, runner bookkeeping, outputs), as shares of the step's
+wall time. Prints the CPU model and flags first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import types
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams, _native
+
+GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm",
+            "mkldnn::_linear_pointwise", "aten::mkldnn_linear")
+NATIVE_KERNELS = ("paged_attention", "rms_norm", "rope", "silu_and_mul", "greedy_argmax")
+
+
+def cpu_header() -> str:
+    import subprocess
+
+    out = subprocess.run(["lscpu"], check=False, capture_output=True, text=True).stdout
+    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                  if ln.startswith("Model name")), "?")
+    flags = next((ln for ln in out.splitlines() if ln.startswith("Flags")), "")
+    picked = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+              if f" {f}" in flags]
+    return f"{model}; flags: {' '.join(picked)}; torch threads {torch.get_num_threads()}"
+
+
+def wrap_native() -> None:
+    """Swap the extension for a module whose kernels run inside record_function."""
+    ext = _native._ext
+    if ext is None:
+        return
+    proxy = types.ModuleType("enginecore._C_profiled")
+    for name in dir(ext):
+        fn = getattr(ext, name)
+        if name in NATIVE_KERNELS:
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                with record_function(f"native::{_name}"):
+                    return _fn(*a, **k)
+            setattr(proxy, name, wrapped)
+        else:
+            setattr(proxy, name, fn)
+    _native._ext = proxy
+
+
+def profile_batch(eng: EngineCore, batch: int, steps: int) -> dict[str, float]:
+    rng = random.Random(batch)
+    sp = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(EngineCoreRequest(f"b{batch}-{i}", [rng.randrange(100, 40000)
+                                                            for _ in range(64)], sp))
+    for _ in range(2):  # the prefill and a first decode, outside the profile
+        eng.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    while eng.scheduler.has_requests():
+        eng.step()
+    shares: dict[str, float] = {"gemm": 0.0, "other torch ops": 0.0}
+    for k in NATIVE_KERNELS:
+        shares[k] = 0.0
+    # Top-level ops only (an op's children are inside its own time).
+    for evt in prof.events():
+        if evt.cpu_parent is not None:
+            continue
+        name, us = evt.name, evt.cpu_time_total
+        if name.startswith("native::"):
+            shares[name.removeprefix("native::")] += us
+        elif name in GEMM_OPS:
+            shares["gemm"] += us
+        else:
+            shares["other torch ops"] += us
+    shares["python & rest"] = max(wall_us - sum(shares.values()), 0.0)
+    shares["step ms"] = wall_us / steps / 1e3
+    return shares
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    wrap_native()
+    eng = EngineCore(EngineArgs(dtype=args.dtype, max_model_len=512,
+                                kv_cache_memory_bytes=512 << 20).create_engine_config())
+    print(f"# {cpu_header()}; native: {_native.native_available()}; dtype {args.dtype}")
+    rows = {b: profile_batch(eng, b, args.steps) for b in map(int, args.batches.split(","))}
+    cols = ["gemm", *NATIVE_KERNELS, "other torch ops", "python & rest"]
+    print("| batch | step ms | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 2) + "|")
+    for b, s in rows.items():
+        total = s["step ms"] * 1e3 * args.steps
+        print(f"| {b} | {s['step ms']:.1f} | "
+              + " | ".join(f"{100 * s[c] / total:.0f} %" for c in cols) + " |")
+    eng.shutdown()
+
+
+if __name__ == "__main__":
+    main()
