@@ -23,8 +23,11 @@ def native():
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Fraction of elements that differ (bf16: by one rounding step at most)."""
-    assert (a.float() - b.float()).abs().le(b.float().abs() * 2**-7 + 1e-30).all()
+    """Fraction of elements that differ. bf16: one rounding step of an intermediate
+    (RMSNorm's normalised value, after an fp32 sum whose order follows the vector
+    width: AVX2 vs AVX-512) plus the rounding of its product with the weight, so up
+    to two steps relative (seen on an AVX2-only CPU: 2 ulps at -0.707)."""
+    assert (a.float() - b.float()).abs().le(b.float().abs() * 2**-6 + 1e-30).all()
     return (a != b).float().mean().item()
 
 
