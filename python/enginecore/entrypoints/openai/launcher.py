@@ -112,6 +112,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     """(context, ASGI app) of one API server process over ``engine`` (an AsyncLLM)."""
     from enginecore.entrypoints.openai.admission import Admission
     from enginecore.entrypoints.openai.api_server import build_app
+    from enginecore.entrypoints.openai.chat_templating import configure_chat_templates
     from enginecore.entrypoints.openai.health import EngineHealth
     from enginecore.entrypoints.openai.metrics_endpoint import MetricsEndpoint
     from enginecore.entrypoints.openai.serving_engine import ServerContext
@@ -123,6 +124,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
                            args.lora_modules)
     ctx = ServerContext(engine, models, Admission(engine, capacity),
                         max_body_bytes=args.max_request_body_bytes)
+    configure_chat_templates(ctx, engine, args)
     health = EngineHealth(engine)
     metrics = MetricsEndpoint(["/health", "/version", "/metrics", "/v1/models",
                                "/v1/completions", "/v1/chat/completions", "/v1/embeddings",

@@ -13,6 +13,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.entrypoints.openai.admission import Ticket
+from enginecore.entrypoints.openai.chat_templating import (
+    off_loop,
+    request_template,
+    without_template_kwarg,
+)
 from enginecore.entrypoints.openai.errors import APIError, bad_request, error_body
 from enginecore.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from enginecore.entrypoints.openai.protocol import (
@@ -46,7 +51,8 @@ def render_chat(input_processor: Any, messages: list[ChatMessage], *,
                 add_generation_prompt: bool, continue_final_message: bool,
                 tools: list | None = None, documents: list | None = None,
                 chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None) -> dict[str, Any]:
+                chat_template_kwargs: dict | None = None,
+                untrusted_template: bool = False) -> dict[str, Any]:
     """{"prompt": text, "prompt_token_ids": ids} of a conversation, rendered by the
     front-end (the model's template in jinja2's sandbox); its refusals are 400s."""
     convo = []
@@ -59,7 +65,8 @@ def render_chat(input_processor: Any, messages: list[ChatMessage], *,
         return input_processor.render_chat(
             convo, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, documents=documents,
-            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+            untrusted_template=untrusted_template)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 - a template that fails is the request's problem
@@ -89,12 +96,15 @@ class OpenAIServingChat(OpenAIServing):
                                   "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         tokenizer = self.require_tokenizer()
-        prompt = render_chat(self.engine.input_processor, req.messages,
-                             add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
-                             tools=req.tools, documents=req.documents,
-                             chat_template=req.chat_template,
-                             chat_template_kwargs=req.chat_template_kwargs)
+        template = request_template(req.chat_template, req.chat_template_kwargs,
+                                    self.ctx.trust_request_chat_template)
+        prompt = await off_loop(render_chat, self.engine.input_processor, req.messages,
+                                add_generation_prompt=req.add_generation_prompt,
+                                continue_final_message=req.continue_final_message,
+                                tools=req.tools, documents=req.documents,
+                                chat_template=template, untrusted_template=True,
+                                chat_template_kwargs=without_template_kwarg(
+                                    req.chat_template_kwargs))
         if req.add_special_tokens:
             prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None

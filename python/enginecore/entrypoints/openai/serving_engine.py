@@ -41,6 +41,8 @@ class ClientGone(Exception):
 class ServerContext:
     """Per-process server state handed to every endpoint."""
 
+    trust_request_chat_template = False  # --trust-request-chat-template
+
     def __init__(self, engine: Any, models: ServingModels, admission: Admission,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
