@@ -129,6 +129,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     metrics = MetricsEndpoint(["/health", "/version", "/metrics", "/v1/models",
                                "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
                                "/tokenize", "/detokenize"])
+    metrics.prefix = getattr(args, "metrics_prefix", "enginecore")
     return ctx, build_app(ctx, health, metrics, api_key=args.api_key)
 
 
