@@ -171,6 +171,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
