@@ -10,6 +10,7 @@ from enginecore.entrypoints.openai.chat_templating import add_chat_template_args
 from enginecore.entrypoints.openai.metrics_names import add_metrics_args
 from enginecore.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
 from enginecore.entrypoints.openai.serving_models import parse_lora_module
+from enginecore.entrypoints.openai.tool_calls import add_tool_args
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="seconds SIGTERM waits for requests in flight before aborting them")
     srv.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="larger request bodies get 413")
+    add_tool_args(parser.add_argument_group("tool calling"))
     srv.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_chat_template_args(srv)

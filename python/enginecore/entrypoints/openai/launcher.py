@@ -62,6 +62,12 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
         raise UserError("--shutdown-timeout must be >= 0")
     with user_errors():
         engine_args = EngineArgs.from_cli_args(args)
+    from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
+
+    try:
+        ToolCallConfig.from_args(args)  # bad tool flags fail before the engine starts
+    except ValueError as e:
+        raise UserError(str(e)) from None
     loras: list[LoRAModulePath] = args.lora_modules
     if loras and not engine_args.enable_lora:
         engine_args.enable_lora = True
@@ -117,6 +123,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     from enginecore.entrypoints.openai.metrics_endpoint import MetricsEndpoint
     from enginecore.entrypoints.openai.serving_engine import ServerContext
     from enginecore.entrypoints.openai.serving_models import ServingModels
+    from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
 
     mc = engine.model_config
     names = args.served_model_name or [args.model or mc.model]
@@ -125,6 +132,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     ctx = ServerContext(engine, models, Admission(engine, capacity),
                         max_body_bytes=args.max_request_body_bytes)
     configure_chat_templates(ctx, engine, args)
+    ctx.tool_config = ToolCallConfig.from_args(args)
     health = EngineHealth(engine)
     metrics = MetricsEndpoint(["/health", "/version", "/metrics", "/v1/models",
                                "/v1/completions", "/v1/chat/completions", "/v1/embeddings",

@@ -42,6 +42,13 @@ from enginecore.entrypoints.openai.serving_engine import (
     first_event,
 )
 from enginecore.entrypoints.openai.streaming import SSEResponse, sse_event
+from enginecore.entrypoints.openai.tool_calls import (
+    ToolPlan,
+    ToolStream,
+    plan_tools,
+    template_message,
+    tool_message,
+)
 
 _encode = msgspec.json.Encoder().encode
 _MAX_TOP_LOGPROBS = 20
@@ -55,12 +62,7 @@ def render_chat(input_processor: Any, messages: list[ChatMessage], *,
                 untrusted_template: bool = False) -> dict[str, Any]:
     """{"prompt": text, "prompt_token_ids": ids} of a conversation, rendered by the
     front-end (the model's template in jinja2's sandbox); its refusals are 400s."""
-    convo = []
-    for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.name is not None:
-            msg["name"] = m.name
-        convo.append(msg)
+    convo = [template_message(m) for m in messages]
     try:
         return input_processor.render_chat(
             convo, add_generation_prompt=add_generation_prompt,
@@ -86,8 +88,9 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest,
                      request: Request) -> Response | SSEResponse:
         model_name, lora = self.models.resolve(req.model)
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tool calling is not supported", "tools")
+        tools = plan_tools(req, self.ctx.tool_config)
+        if tools.parser_cls is not None:
+            req = tools.parser_cls(self.tokenizer).adjust_request(req)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -111,6 +114,12 @@ class OpenAIServingChat(OpenAIServing):
                       else req.max_tokens)
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
                                     stream=req.stream)
+        if tools.structured is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(f'tool_choice {tools.mode!r} decodes under its own schema; '
+                                  "it cannot be combined with another structured-output "
+                                  "constraint", "tool_choice")
+            params = msgspec.structs.replace(params, structured_outputs=tools.structured)
         request_id = self.new_request_id(req.request_id)
         ticket = self.ctx.admission.admit([request_id], params.n)
         try:
@@ -124,18 +133,19 @@ class OpenAIServingChat(OpenAIServing):
             if req.stream:
                 first = await first_event(request, stream)
                 body = self._stream(req, request_id, model_name, params.n, num_top, echo,
-                                    first, stream, text_of, ticket)
+                                    first, stream, text_of, ticket, tools)
                 ticket = None  # the stream releases it
                 return SSEResponse(body)
             final = await answer(request, collect_final(stream))
             return self._response(request_id, model_name, num_top, echo, final, text_of,
-                                  req.prompt_logprobs is not None)
+                                  req.prompt_logprobs is not None, tools, req)
         finally:
             if ticket is not None:
                 ticket.release()
 
     def _response(self, request_id: str, model: str, num_top: int | None, echo: str,
-                  final: Any, text_of: TokenText, prompt_logprobs: bool = False) -> Response:
+                  final: Any, text_of: TokenText, prompt_logprobs: bool = False,
+                  tools: ToolPlan | None = None, req: Any = None) -> Response:
         check_finish_errors(final.outputs)
         if any(c.finish_reason == "abort" for c in final.outputs) and \
                 self.ctx.admission.draining:
@@ -147,9 +157,11 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_top is not None and comp.logprobs is not None:
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs, num_top, text_of)
-            choices.append(ChatChoice(comp.index, AssistantMessage("assistant",
-                                                                   echo + comp.text),
-                                      logprobs, comp.finish_reason, comp.stop_reason))
+            parser = tools.parser(self.tokenizer) if tools is not None else None
+            content, calls, finish = tool_message(tools, parser, echo + comp.text, req,
+                                                  comp.finish_reason)
+            choices.append(ChatChoice(comp.index, AssistantMessage("assistant", content, calls),
+                                      logprobs, finish, comp.stop_reason))
         prompt_tokens = len(final.prompt_token_ids)
         body = ChatCompletionResponse(
             id=request_id, created=now(), model=model, choices=choices,
@@ -159,8 +171,12 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, n: int,
                       num_top: int | None, echo: str, first: Any, stream: AsyncIterator,
-                      text_of: TokenText, ticket: Ticket) -> AsyncIterator[bytes]:
+                      text_of: TokenText, ticket: Ticket, tools: ToolPlan | None = None
+                      ) -> AsyncIterator[bytes]:
         created = now()
+        parsers = [tools.parser(self.tokenizer) if tools is not None else None
+                   for _ in range(n)]
+        tool_streams = [ToolStream(tools, p, req) if p is not None else None for p in parsers]
         tokens = [0] * n
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
@@ -197,8 +213,16 @@ class OpenAIServingChat(OpenAIServing):
                     if num_top is not None and comp.logprobs is not None:
                         logprobs = chat_logprobs(comp.token_ids, comp.logprobs, num_top,
                                                  text_of)
-                    events.append(chunk(comp.index, DeltaMessage(content=comp.text), logprobs,
-                                        comp.finish_reason, comp.stop_reason))
+                    delta: DeltaMessage | None = DeltaMessage(content=comp.text)
+                    finish = comp.finish_reason
+                    ts = tool_streams[comp.index]
+                    if ts is not None:
+                        delta = ts.delta(comp.text, finish is not None)
+                        finish = ts.finish_reason(finish)
+                        if delta is None and finish is None and logprobs is None:
+                            continue
+                    events.append(chunk(comp.index, delta or DeltaMessage(), logprobs,
+                                        finish, comp.stop_reason))
                 if events:
                     yield b"".join(events)
                 try:

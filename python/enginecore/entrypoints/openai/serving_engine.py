@@ -23,6 +23,7 @@ from starlette.requests import Request
 from enginecore.entrypoints.openai.admission import Admission
 from enginecore.entrypoints.openai.errors import APIError, validation_error, value_error
 from enginecore.entrypoints.openai.serving_models import ServingModels
+from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
 from enginecore.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class ServerContext:
         self.max_body_bytes = max_body_bytes
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.max_model_len = models.max_model_len
+        self.tool_config = ToolCallConfig()  # the serve flags' (launcher.build_server)
 
 
 class OpenAIServing:
