@@ -6,6 +6,7 @@ import argparse
 
 from enginecore.config import EngineArgs
 from enginecore.entrypoints.cli_common import add_subcommand
+from enginecore.entrypoints.openai.chat_reasoning import add_reasoning_args
 from enginecore.entrypoints.openai.chat_templating import add_chat_template_args
 from enginecore.entrypoints.openai.metrics_names import add_metrics_args
 from enginecore.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
@@ -46,6 +47,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_chat_template_args(srv)
+    add_reasoning_args(srv)
     add_metrics_args(srv)
     EngineArgs.add_cli_args(parser)
     # As vLLM's server: stats on (the /metrics gauges and the engine's stats line);

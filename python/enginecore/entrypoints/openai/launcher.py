@@ -118,6 +118,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     """(context, ASGI app) of one API server process over ``engine`` (an AsyncLLM)."""
     from enginecore.entrypoints.openai.admission import Admission
     from enginecore.entrypoints.openai.api_server import build_app
+    from enginecore.entrypoints.openai.chat_reasoning import configure_reasoning
     from enginecore.entrypoints.openai.chat_templating import configure_chat_templates
     from enginecore.entrypoints.openai.health import EngineHealth
     from enginecore.entrypoints.openai.metrics_endpoint import MetricsEndpoint
@@ -132,6 +133,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     ctx = ServerContext(engine, models, Admission(engine, capacity),
                         max_body_bytes=args.max_request_body_bytes)
     configure_chat_templates(ctx, engine, args)
+    configure_reasoning(ctx, args)
     ctx.tool_config = ToolCallConfig.from_args(args)
     health = EngineHealth(engine)
     metrics = MetricsEndpoint(["/health", "/version", "/metrics", "/v1/models",

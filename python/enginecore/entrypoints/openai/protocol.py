@@ -236,6 +236,7 @@ class AssistantMessage(msgspec.Struct):
     role: str
     content: str | None
     tool_calls: list[ToolCall] = []
+    reasoning_content: str | None = None  # --reasoning-parser: the model's thinking
 
 
 class ChatChoice(msgspec.Struct):
@@ -259,6 +260,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

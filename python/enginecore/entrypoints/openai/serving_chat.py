@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.entrypoints.openai.admission import Ticket
+from enginecore.entrypoints.openai.chat_reasoning import RequestReasoning
 from enginecore.entrypoints.openai.chat_templating import (
     off_loop,
     request_template,
@@ -76,6 +77,15 @@ def render_chat(input_processor: Any, messages: list[ChatMessage], *,
                           "messages") from None
 
 
+def _with_reasoning(delta: DeltaMessage | None, thought: str | None) -> DeltaMessage | None:
+    if not thought:
+        return delta
+    if delta is None:
+        return DeltaMessage(reasoning_content=thought)
+    delta.reasoning_content = thought
+    return delta
+
+
 def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -120,6 +130,9 @@ class OpenAIServingChat(OpenAIServing):
                                   "it cannot be combined with another structured-output "
                                   "constraint", "tool_choice")
             params = msgspec.structs.replace(params, structured_outputs=tools.structured)
+        reasoning = RequestReasoning.of(self.ctx, tokenizer, prompt)
+        if reasoning is not None:
+            params = reasoning.constrain(params)  # the constraint starts after the thinking
         request_id = self.new_request_id(req.request_id)
         ticket = self.ctx.admission.admit([request_id], params.n)
         try:
@@ -133,19 +146,20 @@ class OpenAIServingChat(OpenAIServing):
             if req.stream:
                 first = await first_event(request, stream)
                 body = self._stream(req, request_id, model_name, params.n, num_top, echo,
-                                    first, stream, text_of, ticket, tools)
+                                    first, stream, text_of, ticket, tools, reasoning)
                 ticket = None  # the stream releases it
                 return SSEResponse(body)
             final = await answer(request, collect_final(stream))
             return self._response(request_id, model_name, num_top, echo, final, text_of,
-                                  req.prompt_logprobs is not None, tools, req)
+                                  req.prompt_logprobs is not None, tools, req, reasoning)
         finally:
             if ticket is not None:
                 ticket.release()
 
     def _response(self, request_id: str, model: str, num_top: int | None, echo: str,
                   final: Any, text_of: TokenText, prompt_logprobs: bool = False,
-                  tools: ToolPlan | None = None, req: Any = None) -> Response:
+                  tools: ToolPlan | None = None, req: Any = None,
+                  reasoning: RequestReasoning | None = None) -> Response:
         check_finish_errors(final.outputs)
         if any(c.finish_reason == "abort" for c in final.outputs) and \
                 self.ctx.admission.draining:
@@ -158,9 +172,14 @@ class OpenAIServingChat(OpenAIServing):
             if num_top is not None and comp.logprobs is not None:
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs, num_top, text_of)
             parser = tools.parser(self.tokenizer) if tools is not None else None
-            content, calls, finish = tool_message(tools, parser, echo + comp.text, req,
+            thought, text = (None, comp.text) if reasoning is None else \
+                reasoning.split(comp.text)
+            content, calls, finish = tool_message(tools, parser, echo + text, req,
                                                   comp.finish_reason)
-            choices.append(ChatChoice(comp.index, AssistantMessage("assistant", content, calls),
+            if thought is not None and not content:
+                content = None
+            choices.append(ChatChoice(comp.index, AssistantMessage("assistant", content, calls,
+                                                                   thought),
                                       logprobs, finish, comp.stop_reason))
         prompt_tokens = len(final.prompt_token_ids)
         body = ChatCompletionResponse(
@@ -171,9 +190,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, n: int,
                       num_top: int | None, echo: str, first: Any, stream: AsyncIterator,
-                      text_of: TokenText, ticket: Ticket, tools: ToolPlan | None = None
-                      ) -> AsyncIterator[bytes]:
+                      text_of: TokenText, ticket: Ticket, tools: ToolPlan | None = None,
+                      reasoning: RequestReasoning | None = None) -> AsyncIterator[bytes]:
         created = now()
+        thinking = [reasoning.stream() if reasoning is not None else None for _ in range(n)]
         parsers = [tools.parser(self.tokenizer) if tools is not None else None
                    for _ in range(n)]
         tool_streams = [ToolStream(tools, p, req) if p is not None else None for p in parsers]
@@ -213,11 +233,19 @@ class OpenAIServingChat(OpenAIServing):
                     if num_top is not None and comp.logprobs is not None:
                         logprobs = chat_logprobs(comp.token_ids, comp.logprobs, num_top,
                                                  text_of)
-                    delta: DeltaMessage | None = DeltaMessage(content=comp.text)
+                    text, thought = comp.text, None
                     finish = comp.finish_reason
+                    rs = thinking[comp.index]
+                    if rs is not None:  # the thinking apart, tool calls in the answer only
+                        thought, text = rs.delta(comp.text, finish is not None)
+                        if not thought and not text and finish is None and logprobs is None:
+                            continue
+                    delta: DeltaMessage | None = DeltaMessage(
+                        content=text if rs is None or text else None,
+                        reasoning_content=thought or None)
                     ts = tool_streams[comp.index]
                     if ts is not None:
-                        delta = ts.delta(comp.text, finish is not None)
+                        delta = _with_reasoning(ts.delta(text, finish is not None), thought)
                         finish = ts.finish_reason(finish)
                         if delta is None and finish is None and logprobs is None:
                             continue

@@ -43,6 +43,7 @@ class ServerContext:
     """Per-process server state handed to every endpoint."""
 
     trust_request_chat_template = False  # --trust-request-chat-template
+    reasoning_parser_cls: Any = None  # --reasoning-parser (chat_reasoning.py)
 
     def __init__(self, engine: Any, models: ServingModels, admission: Admission,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
