@@ -138,6 +138,7 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     health = EngineHealth(engine)
     metrics = MetricsEndpoint(["/health", "/version", "/metrics", "/v1/models",
                                "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+                               "/v1/responses",
                                "/tokenize", "/detokenize"])
     metrics.prefix = getattr(args, "metrics_prefix", "enginecore")
     return ctx, build_app(ctx, health, metrics, api_key=args.api_key)
