@@ -222,6 +222,10 @@ class LLM:
                     bar.update(1)
         return [results[rid] for rid in order]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling parameters a request gets when it gives none."""
+        return SamplingParams()
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
