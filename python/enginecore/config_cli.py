@@ -10,6 +10,7 @@ group and are only passed on when given.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import re
 import types
@@ -62,6 +63,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=36, width=100)
 
+    def _format_action(self, action: argparse.Action) -> str:
+        # argparse shows no default for a flag without help (e.g. --port): give it one.
+        if not action.help and action.option_strings and action.default is not argparse.SUPPRESS \
+                and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
     def _get_help_string(self, action: argparse.Action) -> str | None:
         # A None default is explained in the help itself ("default: the model's ...").
         if action.default is None and "default" in (action.help or "").lower():
@@ -86,8 +95,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> argparse.A
         if group is None:
             group = groups[meta["group"]] = parser.add_argument_group(meta["group"])
         flags = ["--" + name.replace("_", "-"), *meta.get("flags", ())]
-        kw: dict[str, Any] = dict(dest=name, default=f.default,
-                                  help=meta["help"].replace("%", "%%"))
+        kw: dict[str, Any] = {"dest": name, "default": f.default,
+                              "help": meta["help"].replace("%", "%%")}
         base, optional = _base_type(hints[name])
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction

@@ -222,6 +222,10 @@ class LLM:
                     bar.update(1)
         return [results[rid] for rid in order]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling parameters a request gets when it gives none."""
+        return SamplingParams()
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
@@ -235,17 +239,23 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate
         (``lora_request``: one for all, or one per conversation). The first five
-        parameters are positional in vLLM's order."""
+        parameters are positional in vLLM's order. ``chat_template``: the template,
+        or a file holding it (vLLM's ``--chat-template`` rule)."""
+        from enginecore.model.chat_templates import load_chat_template
+
+        chat_template = load_chat_template(chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = [
             self.input_processor.render_chat(
                 list(conv), add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools,
                 documents=documents, chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs)
+                chat_template_kwargs=chat_template_kwargs,
+                content_format=chat_template_content_format)
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

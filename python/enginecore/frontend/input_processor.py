@@ -299,16 +299,20 @@ class InputProcessor:
         documents: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        untrusted_template: bool = False,
+        content_format: str | None = None,
     ) -> dict[str, Any]:
         """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}
-        (the template writes the special tokens, so none are added on top)."""
+        (the template writes the special tokens, so none are added on top).
+        ``untrusted_template``: ``chat_template`` came from a request (strict limits)."""
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: chat needs its chat template")
         text = self.tokenizer.apply_chat_template(
             normalize_messages(messages), add_generation_prompt, tools=tools,
             documents=documents, chat_template=chat_template,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs)
+            chat_template_kwargs=chat_template_kwargs, untrusted_template=untrusted_template,
+            content_format=content_format)
         return {"prompt": text,
                 "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 

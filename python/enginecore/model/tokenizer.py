@@ -8,6 +8,19 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from enginecore.model.chat_templates import (
+    CONTENT_FORMATS,
+    ChatTemplates,
+    detect_content_format,
+    find_chat_templates,
+)
+from enginecore.model.template_sandbox import (
+    MODEL_LIMITS,
+    REQUEST_LIMITS,
+    GuardedSandbox,
+    TemplateCache,
+)
+
 
 class Tokenizer:
     def __init__(
@@ -18,13 +31,37 @@ class Tokenizer:
         eos_token_id: int | None,
         chat_template: str | None,
         add_bos_token: bool = False,
+        chat_templates: ChatTemplates | None = None,
     ) -> None:
         self._tok = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
-        self.chat_template = chat_template
+        self.chat_templates = chat_templates or ChatTemplates(
+            {"default": chat_template} if chat_template else {})
         self.add_bos_token = add_bos_token
-        self._compiled: dict[str, Any] = {}  # template source -> compiled jinja2 template
+        self.content_format: str = "auto"  # --chat-template-content-format
+        self._env = GuardedSandbox()
+        self._cache = TemplateCache(self._env)  # bounded: request templates pass through it
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default template (transformers' ``tokenizer.chat_template`` when single)."""
+        return self.chat_templates.default
+
+    @chat_template.setter
+    def chat_template(self, source: str | None) -> None:
+        """``--chat-template``: replaces every template the model folder had."""
+        self.chat_templates = ChatTemplates({"default": source} if source else {},
+                                            origin="--chat-template")
+
+    def resolve_content_format(self, source: str, given: str | None = None) -> str:
+        """"string" or "openai" for ``source`` (``given`` or the server's setting;
+        "auto" detects it from the template, as vLLM)."""
+        fmt = given or self.content_format
+        if fmt not in CONTENT_FORMATS:
+            raise ValueError(f"chat template content format must be one of {CONTENT_FORMATS}, "
+                             f"got {fmt!r}")
+        return detect_content_format(source) if fmt == "auto" else fmt
 
     @classmethod
     def from_dir(cls, model_dir: str) -> Tokenizer:
@@ -48,15 +85,14 @@ class Tokenizer:
                 value = value.get("content")
             return tok.token_to_id(value) if isinstance(value, str) else None
 
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        templates = find_chat_templates(model_dir, cfg)
         return cls(
             tok,
             bos_token_id=token_id("bos_token"),
             eos_token_id=token_id("eos_token"),
-            chat_template=template,
+            chat_template=None,
             add_bos_token=bool(cfg.get("add_bos_token", False)),
+            chat_templates=templates,
         )
 
     @property
@@ -65,9 +101,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and \
+                (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
         return ids
 
     def id_to_token(self, token_id: int) -> str | None:
@@ -87,31 +123,38 @@ class Tokenizer:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        untrusted_template: bool = False,
+        content_format: str | None = None,
     ) -> str:
         """Render a conversation with the model's chat template (or ``chat_template``)
-        in jinja2's immutable sandbox, as transformers does: ``tools``, ``documents``
-        and the entries of ``chat_template_kwargs`` are template variables.
+        in a budgeted jinja2 sandbox (template_sandbox.py), as transformers does:
+        ``tools``, ``documents`` and the entries of ``chat_template_kwargs`` are
+        template variables; with named templates, ``tool_use`` when there are tools.
         ``continue_final_message`` ends the text inside the last message (to be
-        continued) instead of closing it."""
-        source = chat_template or self.chat_template
-        if not source:
-            raise ValueError("this model has no chat template; pass a plain prompt instead")
+        continued) instead of closing it. ``untrusted_template``: ``chat_template``
+        came from a request, and renders under the strict limits. ``content_format``
+        (vLLM's --chat-template-content-format): "openai" hands the template each
+        message's content as a list of parts, "string" as one string."""
+        source = chat_template or self.chat_templates.select(tools)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be set")
-        template = self._compiled.get(source)
-        if template is None:
-            template = self._compiled[source] = _sandbox().from_string(source)
+        limits = REQUEST_LIMITS if untrusted_template and chat_template else MODEL_LIMITS
+        template = self._cache.get(source, limits)
         template_kwargs = chat_template_kwargs or {}
         reserved = {"messages", "add_generation_prompt", "tools", "documents"}
         clash = reserved & set(template_kwargs)
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {sorted(clash)}")
-        variables = dict(bos_token=self._token(self.bos_token_id),
-                         eos_token=self._token(self.eos_token_id))
-        variables.update(template_kwargs)
-        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               tools=tools, documents=documents, **variables)
+        rendered = messages
+        if self.resolve_content_format(source, content_format) == "openai":
+            rendered = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                        if isinstance(m.get("content"), str) else m for m in messages]
+        variables = {"bos_token": self._token(self.bos_token_id),
+                     "eos_token": self._token(self.eos_token_id), **template_kwargs,
+                     "messages": rendered, "add_generation_prompt": add_generation_prompt,
+                     "tools": tools, "documents": documents}
+        text = self._env.render(template, limits, variables)
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or final.strip() not in text:
@@ -122,19 +165,3 @@ class Tokenizer:
 
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
-
-
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template error: {message}")
-
-
-def _sandbox() -> Any:
-    """jinja2's immutable sandbox with the helpers HF chat templates use."""
-    import datetime
-
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_template_error
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env

@@ -46,6 +46,7 @@ from enginecore.entrypoints.openai.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from enginecore.entrypoints.openai.responses_protocol import ResponsesRequest
 from enginecore.entrypoints.openai.serving_chat import OpenAIServingChat
 from enginecore.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from enginecore.entrypoints.openai.serving_embedding import (
@@ -58,6 +59,7 @@ from enginecore.entrypoints.openai.serving_engine import (
     decode_body,
     read_body,
 )
+from enginecore.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ def build_app(ctx: ServerContext, health: EngineHealth, metrics: MetricsEndpoint
               api_key: str | None = None) -> Any:
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
+    responses = OpenAIServingResponses(chat)
     embedding = OpenAIServingEmbedding(ctx)
     tokenization = OpenAIServingTokenization(ctx)
 
@@ -145,6 +148,8 @@ def build_app(ctx: ServerContext, health: EngineHealth, metrics: MetricsEndpoint
         Route("/v1/chat/completions", generation(chat.create, ChatCompletionRequest),
               methods=["POST"]),
         Route("/v1/embeddings", generation(embedding.create, EmbeddingRequest),
+              methods=["POST"]),
+        Route("/v1/responses", generation(responses.create, ResponsesRequest),
               methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),

@@ -6,8 +6,12 @@ import argparse
 
 from enginecore.config import EngineArgs
 from enginecore.entrypoints.cli_common import add_subcommand
+from enginecore.entrypoints.openai.chat_reasoning import add_reasoning_args
+from enginecore.entrypoints.openai.chat_templating import add_chat_template_args
+from enginecore.entrypoints.openai.metrics_names import add_metrics_args
 from enginecore.entrypoints.openai.serving_engine import DEFAULT_MAX_BODY_BYTES
 from enginecore.entrypoints.openai.serving_models import parse_lora_module
+from enginecore.entrypoints.openai.tool_calls import add_tool_args
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,8 +43,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="seconds SIGTERM waits for requests in flight before aborting them")
     srv.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="larger request bodies get 413")
+    add_tool_args(parser.add_argument_group("tool calling"))
     srv.add_argument("--uvicorn-log-level", default="warning",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_chat_template_args(srv)
+    add_reasoning_args(srv)
+    add_metrics_args(srv)
     EngineArgs.add_cli_args(parser)
     # As vLLM's server: stats on (the /metrics gauges and the engine's stats line);
     # --disable-log-stats (vLLM's spelling, config_aliases.py) or --no-log-stats

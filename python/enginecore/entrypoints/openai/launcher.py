@@ -62,6 +62,12 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
         raise UserError("--shutdown-timeout must be >= 0")
     with user_errors():
         engine_args = EngineArgs.from_cli_args(args)
+    from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
+
+    try:
+        ToolCallConfig.from_args(args)  # bad tool flags fail before the engine starts
+    except ValueError as e:
+        raise UserError(str(e)) from None
     loras: list[LoRAModulePath] = args.lora_modules
     if loras and not engine_args.enable_lora:
         engine_args.enable_lora = True
@@ -112,10 +118,13 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     """(context, ASGI app) of one API server process over ``engine`` (an AsyncLLM)."""
     from enginecore.entrypoints.openai.admission import Admission
     from enginecore.entrypoints.openai.api_server import build_app
+    from enginecore.entrypoints.openai.chat_reasoning import configure_reasoning
+    from enginecore.entrypoints.openai.chat_templating import configure_chat_templates
     from enginecore.entrypoints.openai.health import EngineHealth
     from enginecore.entrypoints.openai.metrics_endpoint import MetricsEndpoint
     from enginecore.entrypoints.openai.serving_engine import ServerContext
     from enginecore.entrypoints.openai.serving_models import ServingModels
+    from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
 
     mc = engine.model_config
     names = args.served_model_name or [args.model or mc.model]
@@ -123,10 +132,15 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
                            args.lora_modules)
     ctx = ServerContext(engine, models, Admission(engine, capacity),
                         max_body_bytes=args.max_request_body_bytes)
+    configure_chat_templates(ctx, engine, args)
+    configure_reasoning(ctx, args)
+    ctx.tool_config = ToolCallConfig.from_args(args)
     health = EngineHealth(engine)
     metrics = MetricsEndpoint(["/health", "/version", "/metrics", "/v1/models",
                                "/v1/completions", "/v1/chat/completions", "/v1/embeddings",
+                               "/v1/responses",
                                "/tokenize", "/detokenize"])
+    metrics.prefix = getattr(args, "metrics_prefix", "enginecore")
     return ctx, build_app(ctx, health, metrics, api_key=args.api_key)
 
 

@@ -21,6 +21,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from enginecore.entrypoints.openai.metrics_names import rename_exposition
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -35,6 +37,7 @@ class MetricsEndpoint:
         self.registry = registry
         self.routes = frozenset(routes)
         self.requests = _request_counter(registry)
+        self.prefix = "enginecore"  # --metrics-prefix (metrics_names.py)
 
     def render(self) -> tuple[bytes, str]:
         if multiprocess_mode():
@@ -42,8 +45,10 @@ class MetricsEndpoint:
 
             merged = CollectorRegistry()
             multiprocess.MultiProcessCollector(merged)
-            return generate_latest(merged), CONTENT_TYPE_LATEST
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+            text = generate_latest(merged)
+        else:
+            text = generate_latest(self.registry)
+        return rename_exposition(text, self.prefix), CONTENT_TYPE_LATEST
 
     def wrap(self, app: Any) -> Any:
         counter = self.requests

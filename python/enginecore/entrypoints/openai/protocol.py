@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from enginecore.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall
 from enginecore.outputs import Logprob
 
 # -- shared pieces --------------------------------------------------------------------
@@ -124,6 +125,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     # A string, or OpenAI content parts ({"type": "text", "text": ...}).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn's calls and a tool turn's answer (the round trip).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -134,6 +138,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     # -- vLLM's chat extras --
     echo: bool = False
     add_generation_prompt: bool = True
@@ -166,6 +171,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -229,7 +235,8 @@ class ChatLogprobs(msgspec.Struct):
 class AssistantMessage(msgspec.Struct):
     role: str
     content: str | None
-    tool_calls: list[Any] = []
+    tool_calls: list[ToolCall] = []
+    reasoning_content: str | None = None  # --reasoning-parser: the model's thinking
 
 
 class ChatChoice(msgspec.Struct):
@@ -253,6 +260,8 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -13,6 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.entrypoints.openai.admission import Ticket
+from enginecore.entrypoints.openai.chat_reasoning import RequestReasoning
+from enginecore.entrypoints.openai.chat_templating import (
+    off_loop,
+    request_template,
+    without_template_kwarg,
+)
 from enginecore.entrypoints.openai.errors import APIError, bad_request, error_body
 from enginecore.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from enginecore.entrypoints.openai.protocol import (
@@ -37,6 +43,13 @@ from enginecore.entrypoints.openai.serving_engine import (
     first_event,
 )
 from enginecore.entrypoints.openai.streaming import SSEResponse, sse_event
+from enginecore.entrypoints.openai.tool_calls import (
+    ToolPlan,
+    ToolStream,
+    plan_tools,
+    template_message,
+    tool_message,
+)
 
 _encode = msgspec.json.Encoder().encode
 _MAX_TOP_LOGPROBS = 20
@@ -46,25 +59,31 @@ def render_chat(input_processor: Any, messages: list[ChatMessage], *,
                 add_generation_prompt: bool, continue_final_message: bool,
                 tools: list | None = None, documents: list | None = None,
                 chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None) -> dict[str, Any]:
+                chat_template_kwargs: dict | None = None,
+                untrusted_template: bool = False) -> dict[str, Any]:
     """{"prompt": text, "prompt_token_ids": ids} of a conversation, rendered by the
     front-end (the model's template in jinja2's sandbox); its refusals are 400s."""
-    convo = []
-    for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.name is not None:
-            msg["name"] = m.name
-        convo.append(msg)
+    convo = [template_message(m) for m in messages]
     try:
         return input_processor.render_chat(
             convo, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, documents=documents,
-            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+            untrusted_template=untrusted_template)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 - a template that fails is the request's problem
         raise bad_request(f"the chat template failed: {type(e).__name__}: {e}",
                           "messages") from None
+
+
+def _with_reasoning(delta: DeltaMessage | None, thought: str | None) -> DeltaMessage | None:
+    if not thought:
+        return delta
+    if delta is None:
+        return DeltaMessage(reasoning_content=thought)
+    delta.reasoning_content = thought
+    return delta
 
 
 def _text_of(content: Any) -> str:
@@ -79,8 +98,9 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest,
                      request: Request) -> Response | SSEResponse:
         model_name, lora = self.models.resolve(req.model)
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tool calling is not supported", "tools")
+        tools = plan_tools(req, self.ctx.tool_config)
+        if tools.parser_cls is not None:
+            req = tools.parser_cls(self.tokenizer).adjust_request(req)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -89,18 +109,30 @@ class OpenAIServingChat(OpenAIServing):
                                   "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         tokenizer = self.require_tokenizer()
-        prompt = render_chat(self.engine.input_processor, req.messages,
-                             add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
-                             tools=req.tools, documents=req.documents,
-                             chat_template=req.chat_template,
-                             chat_template_kwargs=req.chat_template_kwargs)
+        template = request_template(req.chat_template, req.chat_template_kwargs,
+                                    self.ctx.trust_request_chat_template)
+        prompt = await off_loop(render_chat, self.engine.input_processor, req.messages,
+                                add_generation_prompt=req.add_generation_prompt,
+                                continue_final_message=req.continue_final_message,
+                                tools=req.tools, documents=req.documents,
+                                chat_template=template, untrusted_template=True,
+                                chat_template_kwargs=without_template_kwarg(
+                                    req.chat_template_kwargs))
         if req.add_special_tokens:
             prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
                                     stream=req.stream)
+        if tools.structured is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(f'tool_choice {tools.mode!r} decodes under its own schema; '
+                                  "it cannot be combined with another structured-output "
+                                  "constraint", "tool_choice")
+            params = msgspec.structs.replace(params, structured_outputs=tools.structured)
+        reasoning = RequestReasoning.of(self.ctx, tokenizer, prompt)
+        if reasoning is not None:
+            params = reasoning.constrain(params)  # the constraint starts after the thinking
         request_id = self.new_request_id(req.request_id)
         ticket = self.ctx.admission.admit([request_id], params.n)
         try:
@@ -114,18 +146,20 @@ class OpenAIServingChat(OpenAIServing):
             if req.stream:
                 first = await first_event(request, stream)
                 body = self._stream(req, request_id, model_name, params.n, num_top, echo,
-                                    first, stream, text_of, ticket)
+                                    first, stream, text_of, ticket, tools, reasoning)
                 ticket = None  # the stream releases it
                 return SSEResponse(body)
             final = await answer(request, collect_final(stream))
             return self._response(request_id, model_name, num_top, echo, final, text_of,
-                                  req.prompt_logprobs is not None)
+                                  req.prompt_logprobs is not None, tools, req, reasoning)
         finally:
             if ticket is not None:
                 ticket.release()
 
     def _response(self, request_id: str, model: str, num_top: int | None, echo: str,
-                  final: Any, text_of: TokenText, prompt_logprobs: bool = False) -> Response:
+                  final: Any, text_of: TokenText, prompt_logprobs: bool = False,
+                  tools: ToolPlan | None = None, req: Any = None,
+                  reasoning: RequestReasoning | None = None) -> Response:
         check_finish_errors(final.outputs)
         if any(c.finish_reason == "abort" for c in final.outputs) and \
                 self.ctx.admission.draining:
@@ -137,9 +171,16 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_top is not None and comp.logprobs is not None:
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs, num_top, text_of)
-            choices.append(ChatChoice(comp.index, AssistantMessage("assistant",
-                                                                   echo + comp.text),
-                                      logprobs, comp.finish_reason, comp.stop_reason))
+            parser = tools.parser(self.tokenizer) if tools is not None else None
+            thought, text = (None, comp.text) if reasoning is None else \
+                reasoning.split(comp.text)
+            content, calls, finish = tool_message(tools, parser, echo + text, req,
+                                                  comp.finish_reason)
+            if thought is not None and not content:
+                content = None
+            choices.append(ChatChoice(comp.index, AssistantMessage("assistant", content, calls,
+                                                                   thought),
+                                      logprobs, finish, comp.stop_reason))
         prompt_tokens = len(final.prompt_token_ids)
         body = ChatCompletionResponse(
             id=request_id, created=now(), model=model, choices=choices,
@@ -149,8 +190,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, n: int,
                       num_top: int | None, echo: str, first: Any, stream: AsyncIterator,
-                      text_of: TokenText, ticket: Ticket) -> AsyncIterator[bytes]:
+                      text_of: TokenText, ticket: Ticket, tools: ToolPlan | None = None,
+                      reasoning: RequestReasoning | None = None) -> AsyncIterator[bytes]:
         created = now()
+        thinking = [reasoning.stream() if reasoning is not None else None for _ in range(n)]
+        parsers = [tools.parser(self.tokenizer) if tools is not None else None
+                   for _ in range(n)]
+        tool_streams = [ToolStream(tools, p, req) if p is not None else None for p in parsers]
         tokens = [0] * n
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
@@ -187,8 +233,24 @@ class OpenAIServingChat(OpenAIServing):
                     if num_top is not None and comp.logprobs is not None:
                         logprobs = chat_logprobs(comp.token_ids, comp.logprobs, num_top,
                                                  text_of)
-                    events.append(chunk(comp.index, DeltaMessage(content=comp.text), logprobs,
-                                        comp.finish_reason, comp.stop_reason))
+                    text, thought = comp.text, None
+                    finish = comp.finish_reason
+                    rs = thinking[comp.index]
+                    if rs is not None:  # the thinking apart, tool calls in the answer only
+                        thought, text = rs.delta(comp.text, finish is not None)
+                        if not thought and not text and finish is None and logprobs is None:
+                            continue
+                    delta: DeltaMessage | None = DeltaMessage(
+                        content=text if rs is None or text else None,
+                        reasoning_content=thought or None)
+                    ts = tool_streams[comp.index]
+                    if ts is not None:
+                        delta = _with_reasoning(ts.delta(text, finish is not None), thought)
+                        finish = ts.finish_reason(finish)
+                        if delta is None and finish is None and logprobs is None:
+                            continue
+                    events.append(chunk(comp.index, delta or DeltaMessage(), logprobs,
+                                        finish, comp.stop_reason))
                 if events:
                     yield b"".join(events)
                 try:

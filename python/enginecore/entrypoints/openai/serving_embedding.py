@@ -100,6 +100,7 @@ class OpenAIServingTokenization(OpenAIServing):
             prompt = render_chat(self.engine.input_processor, req.messages,
                                  add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message,
+                                 tools=req.tools,
                                  chat_template_kwargs=req.chat_template_kwargs)
             ids = (tok.encode(prompt["prompt"]) if req.add_special_tokens
                    else prompt["prompt_token_ids"])

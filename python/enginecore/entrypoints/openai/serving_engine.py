@@ -23,6 +23,7 @@ from starlette.requests import Request
 from enginecore.entrypoints.openai.admission import Admission
 from enginecore.entrypoints.openai.errors import APIError, validation_error, value_error
 from enginecore.entrypoints.openai.serving_models import ServingModels
+from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
 from enginecore.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ class ClientGone(Exception):
 class ServerContext:
     """Per-process server state handed to every endpoint."""
 
+    trust_request_chat_template = False  # --trust-request-chat-template
+    reasoning_parser_cls: Any = None  # --reasoning-parser (chat_reasoning.py)
+
     def __init__(self, engine: Any, models: ServingModels, admission: Admission,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
@@ -49,6 +53,7 @@ class ServerContext:
         self.max_body_bytes = max_body_bytes
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.max_model_len = models.max_model_len
+        self.tool_config = ToolCallConfig()  # the serve flags' (launcher.build_server)
 
 
 class OpenAIServing:
