@@ -219,6 +219,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     spec_num_drafts: int = 0
     # accepted drafts by position in the draft (cumulative)
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # Multimodal receiver cache lookups since the last stats (queries: items that
+    # arrived, hits: items the engine already held; vLLM's mm_cache_stats).
+    mm_cache_stats: PrefixCacheStats | None = None
 
 
 class EngineCoreOutputs(
