@@ -188,3 +188,14 @@ def test_mrope_rotation_native_equals_twin(tiny_qwen2_vl):
 def test_mrope_section_must_cover_the_rotary():
     with pytest.raises(ValueError, match="half the rotary"):
         mrope_column_rows([2, 3, 2], 16)
+
+
+def test_mrope_chunk_positions_across_the_prompt_end():
+    from enginecore.model.mrope import mrope_chunk_positions
+
+    pos, delta = mrope_input_positions(12, [(1, (1, 4, 8))], 2)
+    assert delta < 0
+    full = np.concatenate([pos, positions_with_delta(12, 20, delta)], axis=1)
+    for start, end in [(0, 5), (3, 12), (10, 15), (12, 13), (15, 20)]:
+        np.testing.assert_array_equal(mrope_chunk_positions(pos, delta, start, end),
+                                      full[:, start:end])

@@ -63,6 +63,20 @@ def positions_with_delta(start: int, end: int, delta: int) -> np.ndarray:
                            (3, end - start))
 
 
+def mrope_chunk_positions(prompt_positions: np.ndarray, delta: int, start: int,
+                          end: int) -> np.ndarray:
+    """[3, end - start] positions of tokens start..end of a request whose prompt
+    has ``prompt_positions`` (a prefill chunk, a decode token, or both sides of
+    the prompt's end after a preemption)."""
+    L = prompt_positions.shape[1]
+    if end <= L:
+        return prompt_positions[:, start:end]
+    if start >= L:
+        return positions_with_delta(start, end, delta)
+    return np.concatenate([prompt_positions[:, start:], positions_with_delta(L, end, delta)],
+                          axis=1)
+
+
 def mrope_column_rows(mrope_section: Sequence[int], rotary_dim: int) -> torch.Tensor:
     """For each of the rotary_dim cos/sin columns, the position row (0 temporal, 1
     height, 2 width) it rotates by: the sections over the first half, repeated."""
