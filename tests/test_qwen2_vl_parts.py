@@ -199,3 +199,21 @@ def test_mrope_chunk_positions_across_the_prompt_end():
     for start, end in [(0, 5), (3, 12), (10, 15), (12, 13), (15, 20)]:
         np.testing.assert_array_equal(mrope_chunk_positions(pos, delta, start, end),
                                       full[:, start:end])
+
+
+def test_split_image_items_follow_the_grids(tiny_qwen2_vl):
+    from enginecore.model.qwen2_vl import split_image_items
+
+    imgs = [random_image(60, 90, 1), random_image(112, 56, 2)]
+    text = "<|image_pad|> and <|image_pad|>"
+    inputs = hf_inputs(tiny_qwen2_vl, text, imgs)
+    items = split_image_items(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert [it["image_grid_thw"].tolist() for it in items] == [[g] for g in
+                                                               inputs["image_grid_thw"].tolist()]
+    enc = load_encoder(tiny_qwen2_vl)
+    whole = enc.forward(inputs["pixel_values"], inputs["image_grid_thw"].tolist())
+    for it, ref in zip(items, whole):  # alone vs batched: the GEMMs' row count changes ulps
+        out = enc.forward(it["pixel_values"], it["image_grid_thw"].tolist())[0]
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="patches"):
+        split_image_items(inputs["pixel_values"][:-1], inputs["image_grid_thw"])

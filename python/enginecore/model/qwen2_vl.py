@@ -65,6 +65,20 @@ class Qwen2VLConfig:
         return t * h * w // self.spatial_merge_size**2
 
 
+def split_image_items(pixel_values: torch.Tensor,
+                      image_grid_thw: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """The image processor's batch (all images' patches stacked) as one item per
+    image: its ``pixel_values`` rows and its ``image_grid_thw`` [1, 3]
+    (vLLM's flat field, split by ``grid.prod()``)."""
+    grids = image_grid_thw.reshape(-1, 3)
+    sizes = grids.prod(-1).tolist()
+    if sum(sizes) != pixel_values.shape[0]:
+        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, the grids "
+                         f"{grids.tolist()} need {sum(sizes)}")
+    return [{"pixel_values": pv, "image_grid_thw": g[None]}
+            for pv, g in zip(pixel_values.split(sizes), grids)]
+
+
 def _split_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
                       visual: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The decoder's tensors under the names LlamaForCausalLM takes; the encoder's
