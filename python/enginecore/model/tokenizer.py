@@ -51,6 +51,10 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_path):  # transformers 5's own file
+            with open(jinja_path) as f:
+                template = f.read()
         return cls(
             tok,
             bos_token_id=token_id("bos_token"),
