@@ -155,3 +155,31 @@ def test_sender_and_receiver_caches_agree_under_eviction():
     receiver.clear()
     with pytest.raises(ValueError, match="does not hold it"):
         receiver.get_and_update_features([MultiModalFeatureSpec("image", "img0", PlaceholderRange(0, 1))])
+
+
+def test_the_same_image_in_8_concurrent_requests_crosses_the_wire_once(qwen_dir, hot_path):
+    from enginecore import LLM, SamplingParams
+
+    llm = LLM(qwen_dir, max_model_len=256, num_gpu_blocks_override=64, disable_log_stats=False,
+              use_native=hot_path == "native")
+    try:
+        sent = []
+        add = llm.client.add_request
+
+        def record(request):
+            sent.append(request)
+            add(request)
+
+        llm.client.add_request = record
+        image = random_image(56, 84, seed=5)
+        prompt = {"prompt": "see " + PAD + " here", "multi_modal_data": {"image": image}}
+        outs = llm.generate([prompt] * 8, SamplingParams(max_tokens=2, temperature=0.0),
+                            use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)  # every id resolved
+        carried = [f.data is not None for r in sent for f in r.mm_features]
+        assert carried == [True] + [False] * 7
+        assert llm.reset_mm_cache() is True
+        llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+        assert sent[-1].mm_features[0].data is not None  # both sides forgot it
+    finally:
+        llm.shutdown()

@@ -176,5 +176,6 @@ class MultiModalProcessor:
 def check_no_images(mm_data: Any, model: str) -> None:
     """The error for images sent to a model that takes none."""
     if mm_data:
-        raise ValueError(f"the model {model} does not take images (multi_modal_data); "
-                         f"supported multimodal architectures: {list(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"the model {model} does not take images: image inputs are not "
+                         "supported for a text-only model (supported multimodal "
+                         f"architectures: {list(SUPPORTED_ARCHITECTURES)})")
