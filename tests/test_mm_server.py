@@ -7,6 +7,7 @@ import io
 
 import openai
 import pytest
+
 from server_helpers import ServerProcess
 from tiny_qwen2_vl import make_tiny_qwen2_vl, random_image
 
