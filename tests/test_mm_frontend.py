@@ -183,3 +183,46 @@ def test_the_same_image_in_8_concurrent_requests_crosses_the_wire_once(qwen_dir,
         assert sent[-1].mm_features[0].data is not None  # both sides forgot it
     finally:
         llm.shutdown()
+
+
+def test_http_images_only_from_allowed_hosts_within_the_limits():
+    import http.server
+    import threading
+
+    from enginecore.config_cli import add_dataclass_args
+    from enginecore.multimodal.media import MediaLimits, image_from_url
+
+    body = png_bytes(random_image(28, 28))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain" if "txt" in self.path else "image/png")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/a.png"
+    try:
+        with pytest.raises(ValueError, match="not allowed"):
+            image_from_url(url, MediaLimits())
+        allowed = MediaLimits(allowed_domains=("127.0.0.1",))
+        assert image_from_url(url, allowed).size == (28, 28)
+        with pytest.raises(ValueError, match="over the limit"):
+            image_from_url(url, MediaLimits(max_bytes=100, allowed_domains=("127.0.0.1",)))
+        with pytest.raises(ValueError, match="MIME"):
+            image_from_url(url + "?txt", allowed)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    import argparse
+
+    args = add_dataclass_args(argparse.ArgumentParser(), EngineArgs).parse_args(
+        ["--allowed-media-domains", "a.example", "b.example", "--limit-mm-per-prompt",
+         '{"image": 2}'])
+    assert args.allowed_media_domains == ["a.example", "b.example"]
+    assert args.limit_mm_per_prompt == {"image": 2}
