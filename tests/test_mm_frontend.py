@@ -171,6 +171,16 @@ def test_the_same_image_in_8_concurrent_requests_crosses_the_wire_once(qwen_dir,
             add(request)
 
         llm.client.add_request = record
+        lookups = [0, 0]  # the engine's receiver cache: items that arrived, items it held
+        record_stats = llm.metrics.record
+
+        def count(iteration, stats=None, *args):
+            if stats is not None and stats.mm_cache_stats is not None:
+                lookups[0] += stats.mm_cache_stats.queries
+                lookups[1] += stats.mm_cache_stats.hits
+            return record_stats(iteration, stats, *args)
+
+        llm.metrics.record = count
         image = random_image(56, 84, seed=5)
         prompt = {"prompt": "see " + PAD + " here", "multi_modal_data": {"image": image}}
         outs = llm.generate([prompt] * 8, SamplingParams(max_tokens=2, temperature=0.0),
@@ -178,6 +188,7 @@ def test_the_same_image_in_8_concurrent_requests_crosses_the_wire_once(qwen_dir,
         assert all(o.outputs[0].finish_reason == "length" for o in outs)  # every id resolved
         carried = [f.data is not None for r in sent for f in r.mm_features]
         assert carried == [True] + [False] * 7
+        assert lookups == [8, 7]
         assert llm.reset_mm_cache() is True
         llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
         assert sent[-1].mm_features[0].data is not None  # both sides forgot it

@@ -29,7 +29,6 @@ from enginecore.multimodal.inputs import check_mm_features
 from enginecore.protocol import (
     EngineCoreRequest,
     LoRARequest,
-    PrefixCacheStats,
     SchedulerStats,
     decode_request,
     encode_request,
@@ -122,6 +121,7 @@ class EngineCore:
         # Processed images by identifier, so a front-end sends each once (None:
         # the model takes no images).
         self.mm_receiver_cache = engine_receiver_cache_from_config(config)
+        self.scheduler.mm_receiver_cache = self.mm_receiver_cache  # its lookups in stats
 
     # -- start-up -------------------------------------------------------------------
     def _initialize_kv_caches(self) -> int:
@@ -532,11 +532,7 @@ class EngineCore:
         return False
 
     def make_stats(self) -> SchedulerStats:
-        stats = self.scheduler.make_stats()
-        if self.mm_receiver_cache is not None:
-            queries, hits = self.mm_receiver_cache.take_stats()
-            stats.mm_cache_stats = PrefixCacheStats(queries=queries, hits=hits)
-        return stats
+        return self.scheduler.make_stats()
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting)."""
