@@ -237,3 +237,54 @@ def test_http_images_only_from_allowed_hosts_within_the_limits():
          '{"image": 2}'])
     assert args.allowed_media_domains == ["a.example", "b.example"]
     assert args.limit_mm_per_prompt == {"image": 2}
+
+
+def make_tiny_llava(path):
+    """A tiny random LLaVA (CLIP tower + llama) saved by transformers with its
+    LlavaProcessor (CLIP's PIL image processor, 28 px, 14 px patches)."""
+    import transformers
+    from tiny_models import make_tiny_tokenizer
+
+    make_tiny_tokenizer(path)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=14,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token="<image>")
+    processor.save_pretrained(path)
+    cfg = transformers.LlavaConfig(
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32,
+                       "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 28, "patch_size": 14},
+        text_config={"model_type": "llama", "vocab_size": len(tok), "hidden_size": 64,
+                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2},
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    transformers.LlavaForConditionalGeneration(cfg).save_pretrained(path)
+    return processor
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_llava_processing_equals_llava_processor(tmp_path, num_images):
+    import json
+
+    from enginecore.multimodal.media import MediaLimits
+    from enginecore.multimodal.processing import MultiModalProcessor
+
+    hf = make_tiny_llava(str(tmp_path))
+    images = [random_image(40 + 8 * i, 60, seed=i) for i in range(num_images)]
+    text = "hi " + " and ".join(["<image>"] * num_images) + " there"
+    ref = hf(text=text, images=images, return_tensors="pt")
+    with open(tmp_path / "config.json") as f:
+        mp = MultiModalProcessor(str(tmp_path), json.load(f), MediaLimits(), {})
+    ids = hf.tokenizer(text, add_special_tokens=False)["input_ids"]
+    expanded, features = mp.process(ids, {"image": images})
+    assert expanded == ref["input_ids"][0].tolist()
+    pixels = torch.cat([tensor_from_wire(f.data["pixel_values"]) for f in features])
+    assert torch.equal(pixels, ref["pixel_values"])
+    assert all(f.mm_position.length == 4 for f in features)  # (28/14)^2, CLS dropped
