@@ -243,6 +243,7 @@ def make_tiny_llava(path):
     """A tiny random LLaVA (CLIP tower + llama) saved by transformers with its
     LlavaProcessor (CLIP's PIL image processor, 28 px, 14 px patches)."""
     import transformers
+
     from tiny_models import make_tiny_tokenizer
 
     make_tiny_tokenizer(path)
