@@ -289,3 +289,24 @@ def test_llava_processing_equals_llava_processor(tmp_path, num_images):
     pixels = torch.cat([tensor_from_wire(f.data["pixel_values"]) for f in features])
     assert torch.equal(pixels, ref["pixel_values"])
     assert all(f.mm_position.length == 4 for f in features)  # (28/14)^2, CLS dropped
+
+
+def test_prefix_cache_hits_for_the_same_image_never_for_another(qwen_dir, hot_path):
+    from enginecore import LLM, SamplingParams
+
+    llm = LLM(qwen_dir, max_model_len=256, num_gpu_blocks_override=64, block_size=4,
+              multiprocess_mode=False, use_native=hot_path == "native")
+    try:
+        def cached(seed):
+            prompt = {"prompt": "see " + PAD + " here and there",
+                      "multi_modal_data": {"image": random_image(56, 84, seed=seed)}}
+            out = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+            return out.num_cached_tokens, len(out.prompt_token_ids)
+
+        assert cached(1)[0] == 0
+        hits, n = cached(1)
+        assert hits == 4 * ((n - 1) // 4)  # the same image: every full block but the last token's
+        hits_other, _ = cached(2)  # same size, other pixels: only the text before it
+        assert hits_other == 4  # block 0 is text; block 1 holds the image's first tokens
+    finally:
+        llm.shutdown()
