@@ -78,12 +78,33 @@ void RequestTable::extend_hashes(Row& r) {
   const size_t full = r.tokens.size() / bs;
   if (full <= done) return;
   uint8_t root[32] = {0};
-  const uint8_t* parent = done ? r.hashes[done - 1].b : root;
-  Sha256Chain chain(parent, 4 * bs, reinterpret_cast<const uint8_t*>(r.extra_keys.data()),
-                    r.extra_keys.size());
   std::vector<uint32_t> block(bs);
   r.hashes.reserve(full);  // each digest stays put: the chain reads it back
-  for (size_t b = done; b < full; ++b) {
+  size_t b = done;
+  // Blocks with their own keys (multimodal items): one message each,
+  // parent || tokens || block keys || extra keys.
+  const size_t keyed_end = std::min(full, r.block_extra_keys.size());
+  std::string msg;
+  for (; b < keyed_end; ++b) {
+    const int64_t* src = r.tokens.data() + b * bs;
+    for (size_t i = 0; i < bs; ++i) {
+      if (src[i] < 0 || src[i] > 0xFFFFFFFFLL) {
+        throw py::value_error("token ids must be in [0, 2**32)");
+      }
+      block[i] = static_cast<uint32_t>(src[i]);
+    }
+    msg.assign(reinterpret_cast<const char*>(b ? r.hashes[b - 1].b : root), 32);
+    msg.append(reinterpret_cast<const char*>(block.data()), 4 * bs);
+    msg += r.block_extra_keys[b];
+    msg += r.extra_keys;
+    r.hashes.emplace_back();
+    sha256(reinterpret_cast<const uint8_t*>(msg.data()), msg.size(), r.hashes.back().b);
+  }
+  if (b >= full) return;
+  const uint8_t* parent = b ? r.hashes[b - 1].b : root;
+  Sha256Chain chain(parent, 4 * bs, reinterpret_cast<const uint8_t*>(r.extra_keys.data()),
+                    r.extra_keys.size());
+  for (; b < full; ++b) {
     const int64_t* src = r.tokens.data() + b * bs;
     for (size_t i = 0; i < bs; ++i) {
       if (src[i] < 0 || src[i] > 0xFFFFFFFFLL) {
@@ -249,6 +270,30 @@ std::vector<int32_t> block_ids(RequestTable& t, py::handle seq) {
   return out;
 }
 
+py::list bytes_list(const std::vector<std::string>& items) {
+  py::list out;
+  for (const std::string& item : items) out.append(py::bytes(item));
+  return out;
+}
+
+// A sequence of bytes objects (TypeError otherwise, as the twin).
+std::vector<std::string> bytes_vector(py::handle seq, const char* what) {
+  PyObject* it = PyObject_GetIter(seq.ptr());
+  if (it == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(std::string(what) + " must be a sequence of bytes");
+  }
+  py::object iter = py::reinterpret_steal<py::object>(it);
+  std::vector<std::string> out;
+  while (PyObject* raw = PyIter_Next(it)) {
+    py::object item = py::reinterpret_steal<py::object>(raw);
+    if (!PyBytes_Check(raw)) throw py::type_error(std::string(what) + " must be bytes");
+    out.emplace_back(PyBytes_AS_STRING(raw), static_cast<size_t>(PyBytes_GET_SIZE(raw)));
+  }
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return out;
+}
+
 py::tuple export_row(RequestTable& t, int64_t slot) {
   Row& r = t.row(slot);
   const int64_t* tok = r.tokens.data();
@@ -258,13 +303,13 @@ py::tuple export_row(RequestTable& t, int64_t slot) {
       int_list(r.stop_token_ids.data(), r.stop_token_ids.data() + r.stop_token_ids.size()),
       r.has_grammar, int_list(r.spec.data(), r.spec.data() + r.spec.size()), r.priority,
       r.arrival_time, py::bytes(r.extra_keys), r.hash_blocks, hash_list(r.hashes),
-      py::list(py::cast(r.blocks)), r.num_cached_blocks);
+      py::list(py::cast(r.blocks)), r.num_cached_blocks, bytes_list(r.block_extra_keys));
 }
 
 int64_t import_row(RequestTable& t, py::handle state_obj) {
   py::tuple s = py::tuple(py::reinterpret_borrow<py::object>(state_obj));
-  if (s.size() != 20) {
-    throw py::value_error("a row state has 20 fields, got " + std::to_string(s.size()));
+  if (s.size() != 21) {
+    throw py::value_error("a row state has 21 fields, got " + std::to_string(s.size()));
   }
   if (py::len(s[18]) != 0) {
     throw py::value_error("a request that holds KV blocks cannot move to another table");
@@ -296,6 +341,7 @@ int64_t import_row(RequestTable& t, py::handle state_obj) {
     r->hashes.push_back(to_hash32(h));
   }
   r->num_cached_blocks = field<int64_t>(s[19], "num_cached_blocks");
+  r->block_extra_keys = bytes_vector(s[20], "row state field block_extra_keys");
   const int64_t n_tok = static_cast<int64_t>(r->tokens.size());
   if (r->num_prompt < 0 || r->num_prompt > n_tok) {
     throw py::value_error("row state: num_prompt " + std::to_string(r->num_prompt) +
@@ -315,7 +361,7 @@ int64_t import_row(RequestTable& t, py::handle state_obj) {
 int64_t add_row(RequestTable& t, py::str request_id, py::handle prompt, int64_t client_index,
                 int64_t max_tokens, int64_t min_tokens, int64_t eos_token_id, bool ignore_eos,
                 py::handle stop_token_ids, int64_t priority, double arrival_time,
-                py::bytes extra_keys, bool hash_blocks) {
+                py::bytes extra_keys, bool hash_blocks, py::handle block_extra_keys) {
   auto r = std::make_unique<Row>();
   r->request_id = request_id;
   r->tokens = int_vector(prompt);
@@ -331,6 +377,7 @@ int64_t add_row(RequestTable& t, py::str request_id, py::handle prompt, int64_t 
   r->arrival_time = arrival_time;
   r->extra_keys = extra_keys;
   r->hash_blocks = hash_blocks;
+  r->block_extra_keys = bytes_vector(block_extra_keys, "block_extra_keys");
   // Every prompt token, the tail's too: a bad one is refused now, not when
   // a later token fills its block.
   if (hash_blocks) check_hashable(r->tokens.data(), r->tokens.data() + r->tokens.size());
@@ -352,7 +399,7 @@ void bind_request_table(py::module_& m) {
            py::arg("client_index"), py::arg("max_tokens"), py::arg("min_tokens"),
            py::arg("eos_token_id"), py::arg("ignore_eos"), py::arg("stop_token_ids"),
            py::arg("priority"), py::arg("arrival_time"), py::arg("extra_keys"),
-           py::arg("hash_blocks"))
+           py::arg("hash_blocks"), py::arg("block_extra_keys") = py::tuple())
       .def("export_row", &export_row, py::arg("slot"))
       .def("import_row", &import_row, py::arg("state"))
       .def("release", &T::release, py::arg("slot"))

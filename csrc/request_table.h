@@ -40,6 +40,9 @@ struct Row {
   std::vector<Hash32> hashes;
   std::vector<int32_t> blocks;
   int64_t num_cached_blocks = 0;
+  // Per prompt block: encoded keys hashed before extra_keys (the identifiers of
+  // the multimodal items the block overlaps); empty or past the end: none.
+  std::vector<std::string> block_extra_keys;
 };
 
 // ValueError unless every token fits block hashing's 4 bytes, [0, 2**32).

@@ -135,6 +135,26 @@ class StructuredOutputsConfig:
 
 
 @dataclass
+class MultiModalConfig:
+    """Front-end limits on images (vLLM's names; multimodal/ reads them)."""
+
+    # Items per prompt by modality; a modality not named: MM_DEFAULT_LIMIT_PER_PROMPT.
+    limit_mm_per_prompt: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Hosts whose http(s) image URLs the server fetches; empty: data: URLs only.
+    allowed_media_domains: list[str] = dataclasses.field(default_factory=list)
+    media_fetch_timeout_s: float = 5.0
+    media_max_bytes: int = 20 << 20
+    # Decoded pixels (width x height) one image may have: decompression bombs stop here.
+    max_image_pixels: int = 64 << 20
+    # The sender cache (front-end) and receiver cache (engine): processed items
+    # kept by identifier, so an item is sent once; 0: off.
+    mm_processor_cache_gb: float = 4.0
+
+
+MM_DEFAULT_LIMIT_PER_PROMPT = 999
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -152,6 +172,7 @@ class EngineConfig:
     transport_config: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
         default_factory=StructuredOutputsConfig)
+    multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
 
 
 # Groups of the CLI's --help, in this order.
@@ -164,6 +185,7 @@ G_LORA = "LoRA adapters"
 G_STATS = "Logging and stats"
 G_ENGINE = "Engine internals (hot paths, executor, synthetic model)"
 G_TRANSPORT = "Transport, limits and security"
+G_MM = "Multimodal inputs (images)"
 
 
 def arg(default: Any, group: str, help: str, **cli: Any) -> Any:
@@ -319,6 +341,22 @@ class EngineArgs:
         10.0, G_TRANSPORT, "CPU milliseconds one request's structured-output token mask may "
         "take in a step; a constraint that needs more is that request's error")
 
+    limit_mm_per_prompt: dict[str, int] | None = arg(  # noqa: RUF009 - None default
+        None, G_MM, "most items per prompt by modality, as JSON, e.g. '{\"image\": 2}' "
+        f"(default: {MM_DEFAULT_LIMIT_PER_PROMPT} each)", parse="json", metavar="JSON")
+    allowed_media_domains: list[str] | None = arg(  # noqa: RUF009 - None default
+        None, G_MM, "hosts whose http(s) image URLs the server may fetch (default: none; "
+        "data: URLs only)", nargs="+", metavar="HOST")
+    media_fetch_timeout_s: float = arg(5.0, G_MM, "seconds one image URL fetch may take")
+    media_max_bytes: int = arg(
+        20 << 20, G_MM, "bytes one encoded image may have, e.g. 20M", parse="human_int")
+    max_image_pixels: int = arg(
+        64 << 20, G_MM, "pixels (width x height) one decoded image may have; larger images "
+        "(decompression bombs) are refused before they are decoded", parse="human_int")
+    mm_processor_cache_gb: float = arg(
+        4.0, G_MM, "GiB of processed images the front-end remembers sending and the engine "
+        "keeps, each side, so a repeated image crosses the wire once (0: off)")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Keywords by field name or by vLLM's name (config_aliases.py); ``model``
         may be the one positional argument, as in vLLM."""
@@ -418,6 +456,10 @@ class EngineArgs:
                 curve=self.zmq_curve, curve_key_file=self.zmq_curve_key_file),
             structured_outputs_config=StructuredOutputsConfig(
                 self.structured_outputs_mask_budget_ms),
+            multimodal_config=MultiModalConfig(
+                dict(self.limit_mm_per_prompt or {}), list(self.allowed_media_domains or []),
+                self.media_fetch_timeout_s, self.media_max_bytes, self.max_image_pixels,
+                self.mm_processor_cache_gb),
         )
 
     def _validate(self) -> None:
@@ -426,6 +468,19 @@ class EngineArgs:
 
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise bad("block_size", "a power of two in [1, 256]")
+        limits = self.limit_mm_per_prompt
+        if limits is not None and (not isinstance(limits, dict) or not all(
+                isinstance(k, str) and type(v) is int and v >= 0 for k, v in limits.items())):
+            raise bad("limit_mm_per_prompt", "a dict of modality -> count >= 0, e.g. {'image': 2}")
+        domains = self.allowed_media_domains
+        if domains is not None and (not isinstance(domains, (list, tuple))
+                                    or not all(isinstance(d, str) and d for d in domains)):
+            raise bad("allowed_media_domains", "a list of host names")
+        for name in ("media_fetch_timeout_s", "media_max_bytes", "max_image_pixels"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "> 0")
+        if not self.mm_processor_cache_gb >= 0:
+            raise bad("mm_processor_cache_gb", ">= 0")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", ">= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

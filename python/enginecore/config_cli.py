@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import re
 import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -38,6 +39,14 @@ def human_int(text: str) -> int:
     if value != int(value):
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: not a whole number of tokens")
     return int(value)
+
+
+def _json_value(text: str) -> Any:
+    """A JSON value (vLLM's dict flags: --limit-mm-per-prompt '{"image": 2}')."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {e}") from None
 
 
 def _none_or(convert: Any) -> Any:
@@ -101,13 +110,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> argparse.A
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            convert = human_int if meta.get("parse") == "human_int" else base
+            convert = {"human_int": human_int, "json": _json_value}.get(meta.get("parse"), base)
+            if "nargs" in meta:  # a list of strs, space separated (vLLM's nargs="+")
+                kw["nargs"], convert = meta["nargs"], str
             kw["type"] = _none_or(convert) if optional else convert
             if "choices" in meta:
                 kw["choices"] = (*meta["choices"], None) if optional else meta["choices"]
                 kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
             else:
-                kw["metavar"] = meta.get("metavar", base.__name__.upper())
+                kw["metavar"] = meta.get("metavar", getattr(base, "__name__", "VALUE").upper())
         group.add_argument(*flags, **kw)
     vllm = parser.add_argument_group(
         "vLLM spellings", "accepted so that vLLM command lines run; each maps onto the flags "

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from enginecore.bounds import Index16, Int64, NonNegInt64, PositiveInt64, finite, name_fields
+from enginecore.multimodal.inputs import MultiModalFeatureSpec
 from enginecore.sampling_params import SamplingParams
 
 
@@ -76,6 +77,9 @@ class EngineCoreRequest(
     pooling_params: PoolingParams | None = None
     # The request's EOS token (the front-end sets its tokenizer's); None: the model's.
     eos_token_id: NonNegInt64 | None = None
+    # Images and other items (vLLM's MultiModalFeatureSpec), ordered by placeholder
+    # offset; enginecore.multimodal.inputs.check_mm_features bounds their bytes.
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 class _RequestIdOnly(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
@@ -215,6 +219,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     spec_num_drafts: int = 0
     # accepted drafts by position in the draft (cumulative)
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # Multimodal receiver cache lookups since the last stats (queries: items that
+    # arrived, hits: items the engine already held; vLLM's mm_cache_stats).
+    mm_cache_stats: PrefixCacheStats | None = None
 
 
 class EngineCoreOutputs(

@@ -6,9 +6,10 @@ import enum
 import time
 from typing import Any
 
+from enginecore.multimodal.inputs import MultiModalFeatureSpec
 from enginecore.protocol import EngineCoreRequest, FinishReason, LoRARequest, PoolingParams
 from enginecore.sampling_params import SamplingParams
-from enginecore.sched.block_hash import ExtraKey, check_algo, encode_extra_keys
+from enginecore.sched.block_hash import ExtraKey, check_algo, encode_extra_keys, mm_block_extra_keys
 from enginecore.sched.request_table import request_table_class
 
 
@@ -72,6 +73,7 @@ class Request:
         "ignore_eos",
         "current_wave",
         "pooling_params",
+        "mm_features",
         "_grammar",
         "grammar_error",
         "table",
@@ -96,6 +98,7 @@ class Request:
         current_wave: int = 0,
         pooling_params: PoolingParams | None = None,
         table: Any = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> None:
         self.table = None
         self.request_id = request_id
@@ -111,6 +114,9 @@ class Request:
         self.num_preemptions = 0
         self.current_wave = current_wave
         self.pooling_params = pooling_params
+        # Images (vLLM's MultiModalFeatureSpec), in placeholder order; None: text only.
+        self.mm_features = (sorted(mm_features, key=lambda f: f.mm_position.offset)
+                            if mm_features else None)
         # llguidance matcher for structured outputs (set by EngineCore.preprocess_add_request).
         self._grammar = None
         self.grammar_error: str | None = None
@@ -139,8 +145,18 @@ class Request:
             request_id, prompt_token_ids, client_index, self.max_tokens, self.min_tokens,
             -1 if eos_token_id is None else eos_token_id, self.ignore_eos,
             sorted(self.stop_token_ids), priority, self.arrival_time,
-            encode_extra_keys(keys or None), enable_block_hashes)
+            encode_extra_keys(keys or None), enable_block_hashes,
+            self._block_extra_keys(block_size))
         self.table = table
+
+    def _block_extra_keys(self, block_size: int) -> list[bytes]:
+        """Two prompts with the same placeholder tokens but other images must not
+        share blocks: each block overlapping an item hashes its identifier."""
+        if not self.mm_features:
+            return []
+        return mm_block_extra_keys(
+            [(f.mm_position.offset, f.mm_position.length, f.identifier) for f in self.mm_features],
+            block_size)
 
     def __del__(self) -> None:
         table = self.table
@@ -189,6 +205,7 @@ class Request:
             current_wave=req.current_wave,
             pooling_params=req.pooling_params,
             table=table,
+            mm_features=req.mm_features,
         )
 
     # -- the row's fields ------------------------------------------------------------

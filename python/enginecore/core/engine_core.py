@@ -24,6 +24,8 @@ from enginecore.core.fault_isolation import FaultIsolation
 from enginecore.core.stat_logger import StatLogger
 from enginecore.executor.abstract import Executor, KVCacheConfig
 from enginecore.executor.factory import get_executor_class
+from enginecore.multimodal.cache import engine_receiver_cache_from_config
+from enginecore.multimodal.inputs import check_mm_features
 from enginecore.protocol import (
     EngineCoreRequest,
     LoRARequest,
@@ -116,6 +118,10 @@ class EngineCore:
         self._tasks = self.get_supported_tasks()
         self._max_batched = config.scheduler_config.max_num_batched_tokens
         self._wire_encoder = msgspec.msgpack.Encoder()
+        # Processed images by identifier, so a front-end sends each once (None:
+        # the model takes no images).
+        self.mm_receiver_cache = engine_receiver_cache_from_config(config)
+        self.scheduler.mm_receiver_cache = self.mm_receiver_cache  # its lookups in stats
 
     # -- start-up -------------------------------------------------------------------
     def _initialize_kv_caches(self) -> int:
@@ -175,6 +181,8 @@ class EngineCore:
             )
         if not validated:
             request = decode_request(encode_request(self._wire_encoder, request))
+        if request.mm_features:
+            request = self._receive_mm_features(request)
         req = Request.from_engine_core_request(
             request, self._eos_token_id, self._block_size, self._hash_algo,
             self._enable_hashes and self._fits(request) is None,
@@ -182,6 +190,18 @@ class EngineCore:
         )
         self._compile_grammar(req)
         return req, request.current_wave
+
+    def _receive_mm_features(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """The request with every item's tensors (id-only items from the receiver
+        cache), bounds checked; ValueError naming the problem."""
+        cache = self.mm_receiver_cache
+        if cache is None:
+            raise ValueError(f"the model {self.config.model_config.model} "
+                             f"({self.config.model_config.architecture}) does not take images "
+                             "or other multimodal inputs")
+        features = cache.get_and_update_features(request.mm_features)
+        check_mm_features(features, len(request.prompt_token_ids))
+        return msgspec.structs.replace(request, mm_features=features)
 
     def _compile_grammar(self, req: Request) -> None:
         so = req.sampling_params.structured_outputs
@@ -496,10 +516,14 @@ class EngineCore:
         return self.model_executor.get_supported_tasks()
 
     def reset_mm_cache(self) -> bool:
-        """No multimodal encoder in the supported models: nothing to reset."""
-        logger.info("reset_mm_cache: %s has no multimodal encoder; nothing to reset",
-                    self.config.model_config.model)
-        return False
+        """Forget every processed item the receiver cache holds (the front-end
+        clears its sender cache first); False when the model takes no images."""
+        if self.mm_receiver_cache is None:
+            logger.info("reset_mm_cache: %s takes no multimodal inputs; nothing to reset",
+                        self.config.model_config.model)
+            return False
+        self.mm_receiver_cache.clear()
+        return True
 
     def reset_encoder_cache(self) -> bool:
         """No encoder cache in the supported models: nothing to reset."""

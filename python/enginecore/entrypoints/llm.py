@@ -93,6 +93,11 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.client.call_utility("is_sleeping")
 
+    def reset_mm_cache(self) -> bool:
+        """Forget the processed images on both sides (front-end first)."""
+        self.input_processor.clear_mm_cache()
+        return self.client.call_utility("reset_mm_cache")
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False while requests hold blocks."""
         return self.client.call_utility("reset_prefix_cache")
@@ -191,7 +196,7 @@ class LLM:
         sp = request.sampling_params
         if sp is None or sp.n == 1:
             self.output_processor.add_request(request, text, metrics=metrics)
-            self.client.add_request(request)
+            self._send(request)
             return
         parent = ParentRequest(rid, sp, text, request.prompt_token_ids, None, metrics,
                                request.lora_request)
@@ -201,7 +206,14 @@ class LLM:
             self.output_processor.add_request(
                 child, text, external_id=rid, parent=parent, index=i,
                 metrics=RequestMetrics(request.arrival_time, metrics.arrival_ts))
-            self.client.add_request(child)
+            self._send(child)
+
+    def _send(self, request: EngineCoreRequest) -> None:
+        try:
+            self.client.add_request(self.input_processor.strip_sent_mm(request))
+        except BaseException:
+            self.input_processor.clear_mm_cache()  # the engine may not have its items
+            raise
 
     def _collect(self, order: list[str], progress: bool) -> list[Any]:
         from tqdm import tqdm

@@ -186,9 +186,11 @@ class AsyncLLM:
         sent = 0
         try:
             for request in requests:
-                await self.engine_core.add_request_async(request)
+                await self.engine_core.add_request_async(
+                    self.input_processor.strip_sent_mm(request))
                 sent += 1
         except BaseException:
+            self.input_processor.clear_mm_cache()  # the engine may not have its items
             # Nothing half-registered stays behind: drop the unsent ones here, abort the sent.
             ids = [r.request_id for r in requests]
             self.output_processor.discard(ids)
@@ -293,6 +295,11 @@ class AsyncLLM:
             processor.propagate_error(e)
 
     # -- utilities (allow-listed engine methods) --------------------------------------------
+    async def reset_mm_cache(self) -> bool:
+        """Forget the processed images on both sides (front-end first)."""
+        self.input_processor.clear_mm_cache()
+        return await self.engine_core.call_utility_async("reset_mm_cache")
+
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 

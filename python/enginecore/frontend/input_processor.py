@@ -26,12 +26,16 @@ from typing import Any
 import msgspec
 
 from enginecore.config import EngineConfig
+from enginecore.multimodal.cache import MultiModalSenderCache, cache_capacity_bytes
+from enginecore.multimodal.chat_parts import extract_images, has_image_parts
+from enginecore.multimodal.processing import MultiModalProcessor, check_no_images
 from enginecore.protocol import EngineCoreRequest, LoRARequest, PoolingParams
 from enginecore.sampling_params import _MAX_SEED, SamplingParams
 from enginecore.sched.request_queue import SchedulingPolicy
 
 PromptType = str | dict[str, Any]
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "lora_request"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "lora_request",
+                          "multi_modal_data"})
 
 
 class InputProcessor:
@@ -53,6 +57,15 @@ class InputProcessor:
                                and pc.data_parallel_backend != "ray")
         self._structured: Any = None
         self._arch: Any = None  # the model's LlamaArchConfig, for LoRA checks
+        # Images: the model's HF image processor (None: a text-only model).
+        self.mm_processor = MultiModalProcessor.create(
+            mc.model_path or mc.model, config.multimodal_config)
+        # Which items the engine holds (one engine only: with data parallel each
+        # engine would need its own, so every item carries its data).
+        capacity = cache_capacity_bytes(config.multimodal_config.mm_processor_cache_gb)
+        self.mm_sender_cache = (MultiModalSenderCache(capacity)
+                                if self.mm_processor is not None and capacity > 0
+                                and pc.data_parallel_size == 1 else None)
 
     # -- prompts ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
@@ -126,6 +139,7 @@ class InputProcessor:
             raise ValueError(f"this model does not support the {task!r} task; it supports "
                              f"{self.supported_tasks}")
         text, ids, salt = self.tokenize_prompt(prompt)
+        ids, mm_features = self._process_mm(prompt, ids)
         lora_request = self._prompt_lora(prompt, lora_request)
         if not pooling and params.truncate_prompt_tokens is not None:
             ids = self._truncate(ids, params.truncate_prompt_tokens)
@@ -150,8 +164,33 @@ class InputProcessor:
         request = EngineCoreRequest(
             request_id, ids, sp, time.time() if arrival_time is None else arrival_time,
             lora_request, salt, data_parallel_rank, priority=priority,
-            pooling_params=params if pooling else None, eos_token_id=self._eos_token_id())
+            pooling_params=params if pooling else None, eos_token_id=self._eos_token_id(),
+            mm_features=mm_features or None)
         return text, request
+
+    def strip_sent_mm(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """``request`` as it goes on the wire: items the engine holds by identifier
+        only. Call it right before handing the request to the engine client."""
+        if self.mm_sender_cache is None or not request.mm_features:
+            return request
+        return msgspec.structs.replace(
+            request, mm_features=self.mm_sender_cache.strip_cached(request.mm_features))
+
+    def clear_mm_cache(self) -> None:
+        """Forget what the engine holds (a send failed, or reset_mm_cache): items
+        are sent with their data again (the engine may hold more, never less)."""
+        if self.mm_sender_cache is not None:
+            self.mm_sender_cache.clear()
+
+    def _process_mm(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], list[Any]]:
+        """The prompt's images processed: placeholders expanded, items to send."""
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if self.mm_processor is None:
+            check_no_images(mm_data, self.config.model_config.model)
+            return ids, []
+        if mm_data is None:
+            mm_data = {}
+        return self.mm_processor.process(ids, mm_data)
 
     def _eos_token_id(self) -> int | None:
         """The tokenizer's EOS (vLLM sets it per request); None: the engine's model's."""
@@ -307,14 +346,23 @@ class InputProcessor:
         ``untrusted_template``: ``chat_template`` came from a request (strict limits)."""
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: chat needs its chat template")
+        images: list[Any] = []
+        if has_image_parts(messages):
+            if self.mm_processor is None:
+                check_no_images({"image": "a chat image part"}, self.config.model_config.model)
+            messages, images = extract_images(list(messages), self.mm_processor.limits)
+            self.mm_processor.check_count("image", len(images))
         text = self.tokenizer.apply_chat_template(
             normalize_messages(messages), add_generation_prompt, tools=tools,
             documents=documents, chat_template=chat_template,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs, untrusted_template=untrusted_template,
             content_format=content_format)
-        return {"prompt": text,
-                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        prompt = {"prompt": text,
+                  "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
 
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
 
@@ -332,12 +380,16 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind not in ("text", "image"):  # image: from extract_images
                     raise ValueError(f"messages[{i}]: content part {kind!r} is not supported "
-                                     "(text only)")
-                texts.append(str(part.get("text", "")))
-            msg = {**msg, "content": "\n".join(texts)}
+                                     "(text, image_url)")
+                texts.append(str(part.get("text", "")) if kind == "text" else None)
+            # Images stay parts for the template to place; text alone is one string.
+            msg = {**msg, "content": (
+                "\n".join(texts) if None not in texts else
+                [{"type": "image"} if t is None else {"type": "text", "text": t}
+                 for t in texts])}
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a str or a list of text parts")
         elif content is None and msg["role"] in _CONTENT_REQUIRED:

@@ -38,6 +38,8 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Vision-language: the decoder is read from text_config (model/qwen2_vl.py adds the rest)
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -54,6 +56,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "qwen2_vl": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
 }
 
 
@@ -108,6 +111,8 @@ class LlamaArchConfig:
     # Phi-3 stores q|k|v and gate|up fused on disk.
     fused_checkpoint: bool = False
     moe: MoEConfig | None = None
+    # Qwen2-VL's M-RoPE: frequencies per (temporal, height, width) section (sum: rotary_dim / 2)
+    mrope_section: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -157,6 +162,9 @@ def arch_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Lla
         )
     family = SUPPORTED_ARCHITECTURES[arch]
     defaults = _FAMILY_DEFAULTS[family]
+    if family == "qwen2_vl" and "text_config" in cfg:  # transformers 5 nests the decoder
+        cfg = {**cfg["text_config"], "architectures": archs,
+               "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
 
     def get(key: str, fallback: Any = None) -> Any:
         # A key written as null stays null (Gemma 2 turns soft-capping off that way).
@@ -174,6 +182,7 @@ def arch_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Lla
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     layers = int(cfg["num_hidden_layers"])
     rope, theta = _rope(cfg, defaults, source)
+    mrope = rope.pop("mrope_section", None)
     partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
     if rope["rope_type"] == "longrope":
         rope.setdefault("original_max_position_embeddings",
@@ -196,7 +205,7 @@ def arch_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Lla
         rope_scaling=rope if rope["rope_type"] != "default" else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qkv_bias=family in ("qwen2", "qwen2_vl") or bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         family=family,
@@ -206,6 +215,7 @@ def arch_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Lla
         qk_norm=family in ("qwen3", "qwen3_moe"),
         fused_checkpoint=family == "phi3",
         moe=_moe(cfg, family, layers, source),
+        mrope_section=mrope,
     )
     if family == "gemma2":
         a.norm_plus_one = True
@@ -226,6 +236,8 @@ def _rope(cfg: dict[str, Any], defaults: dict[str, Any], source: str):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "su":  # the earlier name of longrope
         rope_type = "longrope"
+    if rope_type == "mrope":  # Qwen2-VL's earlier name: default frequencies, in sections
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope type {rope_type!r} in {source}; supported: {SUPPORTED_ROPE_TYPES}"
@@ -238,7 +250,8 @@ def _rope(cfg: dict[str, Any], defaults: dict[str, Any], source: str):
 def _layer_windows(cfg: dict[str, Any], family: str, layers: int,
                    window: int | None) -> list[int | None]:
     """Each layer's sliding window, as transformers assigns them."""
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+    if (family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl")
+            and not cfg.get("use_sliding_window", False)):
         window = None
     if not window:
         return [None] * layers
@@ -248,7 +261,7 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int,
         if family == "gemma2":  # even layers slide, odd layers see everything
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                      for i in range(layers)]
-        elif family in ("qwen2", "qwen3", "qwen3_moe"):
+        elif family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl"):
             first = int(cfg.get("max_window_layers") or 28)
             types = ["sliding_attention" if i >= first else "full_attention"
                      for i in range(layers)]

@@ -243,6 +243,10 @@ class LlamaForCausalLM:
         return total + sum(size(getattr(L, name)) for L in self.layers for name in LlamaLayer.__slots__)
 
     # -- forward -----------------------------------------------------------------------
+    def rotary(self, positions: torch.Tensor) -> RotaryStep:
+        """This step's RoPE for every layer (Qwen2-VL's M-RoPE overrides it)."""
+        return RotaryStep(self.cos, self.sin, positions)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -251,6 +255,7 @@ class LlamaForCausalLM:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoRABatch | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of embedding input_ids
     ) -> torch.Tensor:
         cfg = self.cfg
         T = input_ids.shape[0]
@@ -258,8 +263,10 @@ class LlamaForCausalLM:
         q_size, kv_size = self.q_size, self.kv_size
         eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
         windows, soft_cap = cfg.layer_windows, cfg.attn_logit_softcap
-        rope = RotaryStep(self.cos, self.sin, positions)
-        h = F.embedding(input_ids, self.embed)
+        rope = self.rotary(positions)
+        # (a copy of inputs_embeds: the native residual add writes into h)
+        h = (F.embedding(input_ids, self.embed) if inputs_embeds is None
+             else inputs_embeds.to(device=self.device, dtype=self.dtype, copy=True))
         if self.embed_scale is not None:
             h = h * self.embed_scale
         delta: torch.Tensor | None = None  # the last block's output, not yet added to h

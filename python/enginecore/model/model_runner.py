@@ -85,7 +85,13 @@ class ModelRunner:
     # -- weights and cache -------------------------------------------------------------------
     def load_model(self) -> None:
         t0 = time.perf_counter()
-        model = LlamaForCausalLM(self.arch, self.dtype, self.device)
+        if self.arch.family == "qwen2_vl":
+            from enginecore.model.qwen2_vl import Qwen2VLForConditionalGeneration
+
+            model = Qwen2VLForConditionalGeneration.from_model_dir(self.arch, self.model_path,
+                                                                   self.dtype, self.device)
+        else:
+            model = LlamaForCausalLM(self.arch, self.dtype, self.device)
         model.load_weights(iterate_weights(self.model_path))
         self.model = model
         logger.info("loaded %s (%s, %d layers, %.1f MiB, %s on %s) in %.2f s",

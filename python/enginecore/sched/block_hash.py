@@ -5,6 +5,8 @@ The bytes fed to the hash for block ``i`` are defined in docs/architecture.md
 
     parent (32 bytes; 32 zero bytes for the first block)
     || the block's token ids, each as uint32 little endian
+    || the block's multimodal keys: the identifiers of the items whose
+       placeholder overlaps the block, as str extra keys (``mm_block_extra_keys``)
     || extra keys, only when there are any (see ``encode_extra_keys``)
 
 and the block hash is ``sha256`` of those bytes (32 bytes).
@@ -85,10 +87,31 @@ def block_hashes_py(
     return chain_hashes_py(token_ids, block_size, parent, encode_extra_keys(extra_keys))
 
 
+def mm_block_extra_keys(mm_positions: Sequence[tuple[int, int, str]],
+                        block_size: int) -> list[bytes]:
+    """Per block of a prompt, the encoded identifiers of the multimodal items
+    whose placeholder ``(offset, length, identifier)`` overlaps it (vLLM's mm
+    extra keys), in placeholder order; b"" for a block without any. The list
+    ends at the last block an item touches."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    ordered = sorted(mm_positions)
+    if not ordered:
+        return []
+    num_blocks = max((offset + length + block_size - 1) // block_size
+                     for offset, length, _ in ordered)
+    keys: list[list[str]] = [[] for _ in range(num_blocks)]
+    for offset, length, identifier in ordered:
+        for block in range(offset // block_size, (offset + length - 1) // block_size + 1):
+            keys[block].append(identifier)
+    return [encode_extra_keys(ids) for ids in keys]
+
+
 def chain_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | None,
-                    extra: bytes) -> list[bytes]:
+                    extra: bytes, block_extras: Sequence[bytes] = ()) -> list[bytes]:
     """``block_hashes_py`` with the extra keys already encoded (the arguments of
-    ``_C.block_hashes``)."""
+    ``_C.block_hashes``); block ``i`` hashes ``block_extras[i]`` (when there is
+    one) before ``extra``."""
     prev = ROOT_PARENT if parent is None else parent
     data = tokens_to_bytes(token_ids)
     step = 4 * block_size
@@ -96,6 +119,14 @@ def chain_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | N
     out: list[bytes] = []
     append = out.append
     end = (len(token_ids) // block_size) * step
+    if block_extras:
+        num_keyed = min(len(block_extras), end // step)
+        for i in range(num_keyed):
+            start = i * step
+            prev = sha(prev + data[start : start + step] + block_extras[i] + extra).digest()
+            append(prev)
+        data = data[num_keyed * step:]
+        end -= num_keyed * step
     if extra:
         for start in range(0, end, step):
             prev = sha(prev + data[start : start + step] + extra).digest()

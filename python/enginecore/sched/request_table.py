@@ -35,7 +35,8 @@ class PyRequestTable:
                  "num_computed", "status", "client_index", "max_tokens", "min_tokens",
                  "eos_token_id", "ignore_eos", "stop_token_ids", "has_grammar", "spec",
                  "priority", "arrival_time", "extra_keys", "hash_blocks", "hashes",
-                 "block_ids", "num_cached_blocks", "_free", "_live", "_lock")
+                 "block_ids", "num_cached_blocks", "block_extra_keys", "_free", "_live",
+                 "_lock")
 
     def __init__(self, block_pool: PyBlockPool | None, block_size: int) -> None:
         if block_size <= 0:
@@ -63,6 +64,10 @@ class PyRequestTable:
         self.hashes: list[list[bytes]] = []
         self.block_ids: list[list[int]] = []
         self.num_cached_blocks: list[int] = []
+        # Per prompt block, encoded keys hashed before the request's extra keys
+        # (the identifiers of the multimodal items the block overlaps); b"" or
+        # past the end: none.
+        self.block_extra_keys: list[list[bytes]] = []
         self._free: list[int] = []
         self._live = 0
         # Rows are added off the busy loop (the engine's input thread) and released
@@ -73,10 +78,13 @@ class PyRequestTable:
     def add(self, request_id: str, prompt_token_ids: Sequence[int], client_index: int,
             max_tokens: int, min_tokens: int, eos_token_id: int, ignore_eos: bool,
             stop_token_ids: Sequence[int], priority: int, arrival_time: float,
-            extra_keys: bytes, hash_blocks: bool) -> int:
+            extra_keys: bytes, hash_blocks: bool,
+            block_extra_keys: Sequence[bytes] = ()) -> int:
         """A new row (status WAITING); its prompt's full blocks are hashed now.
         Arguments are checked as the native binding checks them (arg_checks.py);
-        with ``hash_blocks`` every prompt token must be in [0, 2**32)."""
+        with ``hash_blocks`` every prompt token must be in [0, 2**32).
+        ``block_extra_keys[b]``: encoded keys that block ``b`` hashes before
+        ``extra_keys`` (sched/block_hash.py mm_block_extra_keys)."""
         _check_str(request_id, "request_id")
         client_index = int64(client_index, "client_index")
         max_tokens = int64(max_tokens, "max_tokens")
@@ -87,15 +95,16 @@ class PyRequestTable:
         arrival_time = number(arrival_time, "arrival_time")
         _check_bytes(extra_keys, "extra_keys")
         hash_blocks = boolean(hash_blocks, "hash_blocks")
+        block_extras = _check_bytes_list(block_extra_keys, "block_extra_keys")
         tokens = token_list(prompt_token_ids)
         stops = frozenset(token_list(stop_token_ids))
         hashes = []
         if hash_blocks:
             check_hashable(tokens)
-            hashes = _hash(tokens, 0, self.block_size, None, extra_keys)
+            hashes = _hash(tokens, 0, self.block_size, None, extra_keys, block_extras)
         row = (request_id, tokens, len(tokens), 0, WAITING, client_index, max_tokens,
                min_tokens, eos_token_id, ignore_eos, stops, False, [], priority,
-               arrival_time, extra_keys, hash_blocks, hashes, [], 0)
+               arrival_time, extra_keys, hash_blocks, hashes, [], 0, block_extras)
         return self._put(row)
 
     def export_row(self, slot: int) -> RowState:
@@ -108,21 +117,21 @@ class PyRequestTable:
                 self.has_grammar[slot], list(self.spec[slot]), self.priority[slot],
                 self.arrival_time[slot], self.extra_keys[slot], self.hash_blocks[slot],
                 list(self.hashes[slot]), list(self.block_ids[slot]),
-                self.num_cached_blocks[slot])
+                self.num_cached_blocks[slot], list(self.block_extra_keys[slot]))
 
     def import_row(self, state: RowState) -> int:
         """A row equal to an exported one. Block tables do not move between
         pools: the exported row must hold no blocks."""
         state = tuple(state)
-        if len(state) != 20:
-            raise ValueError(f"a row state has 20 fields, got {len(state)}")
+        if len(state) != 21:
+            raise ValueError(f"a row state has 21 fields, got {len(state)}")
         if len(state[18]) != 0:
             raise ValueError("a request that holds KV blocks cannot move to another table")
         # Checked as `add` checks its arguments, and for consistency: a state no
         # export makes would leave a row the loops read out of bounds.
         (rid, tokens, num_prompt, num_computed, status, client, max_tokens, min_tokens, eos,
          ignore_eos, stops, has_grammar, spec, priority, arrival, extra, hash_blocks, hashes,
-         _, num_cached) = (check(value, f"row state field {name}")
+         _, num_cached, block_extras) = (check(value, f"row state field {name}")
                            for (name, check), value in zip(_ROW_FIELDS, state))
         if not 0 <= num_prompt <= len(tokens):
             raise ValueError(f"row state: num_prompt {num_prompt} outside [0, {len(tokens)}]")
@@ -136,7 +145,7 @@ class PyRequestTable:
             check_hashable(tokens)
         return self._put((rid, tokens, num_prompt, num_computed, status, client, max_tokens,
                           min_tokens, eos, ignore_eos, stops, has_grammar, spec, priority,
-                          arrival, extra, hash_blocks, hashes, [], 0))
+                          arrival, extra, hash_blocks, hashes, [], 0, block_extras))
 
     def release(self, slot: int) -> None:
         """The row's request is gone: its slot is reused (its blocks must be freed)."""
@@ -148,6 +157,7 @@ class PyRequestTable:
             self.tokens[slot] = []
             self.hashes[slot] = []
             self.spec[slot] = []
+            self.block_extra_keys[slot] = []
             self._free.append(slot)
             self._live -= 1
 
@@ -371,7 +381,7 @@ class PyRequestTable:
         done = len(hashes)
         if len(toks) >= (done + 1) * bs:
             hashes.extend(_hash(toks, done * bs, bs, hashes[-1] if done else None,
-                                self.extra_keys[slot]))
+                                self.extra_keys[slot], self.block_extra_keys[slot][done:]))
 
     def _pool(self) -> Any:
         if self.block_pool is None:
@@ -393,7 +403,8 @@ class PyRequestTable:
              self.ignore_eos[slot], self.stop_token_ids[slot], self.has_grammar[slot],
              self.spec[slot], self.priority[slot], self.arrival_time[slot],
              self.extra_keys[slot], self.hash_blocks[slot], self.hashes[slot],
-             self.block_ids[slot], self.num_cached_blocks[slot]) = row
+             self.block_ids[slot], self.num_cached_blocks[slot],
+             self.block_extra_keys[slot]) = row
             self._live += 1
         return slot
 
@@ -402,7 +413,7 @@ class PyRequestTable:
                 self.client_index, self.max_tokens, self.min_tokens, self.eos_token_id,
                 self.ignore_eos, self.stop_token_ids, self.has_grammar, self.spec,
                 self.priority, self.arrival_time, self.extra_keys, self.hash_blocks,
-                self.hashes, self.block_ids, self.num_cached_blocks)
+                self.hashes, self.block_ids, self.num_cached_blocks, self.block_extra_keys)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < len(self.request_id) or self.request_id[slot] is None:
@@ -419,6 +430,16 @@ def _check_bytes(value: Any, name: str) -> bytes:
     if not isinstance(value, bytes):
         raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
     return value
+
+
+def _check_bytes_list(value: Any, name: str) -> list[bytes]:
+    try:
+        items = list(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of bytes, got {type(value).__name__}") from None
+    for item in items:
+        _check_bytes(item, name)
+    return items
 
 
 def _check_hashes(hashes: Any, name: str) -> list[bytes]:
@@ -440,14 +461,15 @@ _ROW_FIELDS = (
     ("spec", lambda v, _: token_list(v)), ("priority", int64), ("arrival_time", number),
     ("extra_keys", _check_bytes), ("hash_blocks", boolean), ("hashes", _check_hashes),
     ("block_ids", lambda v, _: v), ("num_cached_blocks", int64),
+    ("block_extra_keys", _check_bytes_list),
 )
 
 
 def _hash(tokens: list[int], start: int, block_size: int, parent: bytes | None,
-          extra_keys: bytes) -> list[bytes]:
+          extra_keys: bytes, block_extras: Sequence[bytes] = ()) -> list[bytes]:
     """Hashes of the full blocks of tokens[start:], chained from ``parent``, with
-    already-encoded extra keys."""
-    return chain_hashes_py(tokens[start:], block_size, parent, extra_keys)
+    already-encoded extra keys; ``block_extras[i]`` goes before them in block i."""
+    return chain_hashes_py(tokens[start:], block_size, parent, extra_keys, block_extras)
 
 
 def request_table_class() -> type:

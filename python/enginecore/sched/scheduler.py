@@ -14,7 +14,13 @@ import logging
 from collections.abc import Iterable
 
 from enginecore.config import EngineConfig
-from enginecore.protocol import EngineCoreOutput, FinishReason, IterationDetails, SchedulerStats
+from enginecore.protocol import (
+    EngineCoreOutput,
+    FinishReason,
+    IterationDetails,
+    PrefixCacheStats,
+    SchedulerStats,
+)
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.kv_cache_manager import KVCacheManager
 from enginecore.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -406,7 +412,17 @@ class Scheduler(SchedulerUpdate):
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_num_drafts=self.spec_num_drafts,
             spec_num_accepted_tokens_per_pos=list(self.spec_num_accepted_per_pos),
+            mm_cache_stats=self._mm_cache_stats(),
         )
+
+    def _mm_cache_stats(self) -> PrefixCacheStats | None:
+        """The engine's multimodal receiver cache lookups since the last stats (the
+        engine core sets ``mm_receiver_cache``; None: no images)."""
+        cache = getattr(self, "mm_receiver_cache", None)
+        if cache is None:
+            return None
+        queries, hits = cache.take_stats()
+        return PrefixCacheStats(queries=queries, hits=hits)
 
     def log_state(self) -> None:
         """Dump what the scheduler holds (called when the executor fails)."""
