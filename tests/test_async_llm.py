@@ -163,14 +163,16 @@ def test_abort_and_cancel_end_the_request_in_the_engine(engine, aloop):
                 await engine.abort("abort-me")
         assert await engine_idle(engine)
 
+        streaming, never = asyncio.Event(), asyncio.Event()
+
         async def consume():
             async for _ in engine.generate("y", long, "cancel-me"):
-                pass
+                streaming.set()
+                await never.wait()  # cancelled here, mid-stream: the request is running
 
         task = asyncio.get_running_loop().create_task(consume())
-        while not engine.output_processor.has_request("cancel-me"):
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(streaming.wait(), 60)
+        assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -32,7 +32,8 @@ def lockstep_config(**kw):
                       **kw).create_engine_config()
 
 
-def wait_for(predicate, timeout=5.0, every=0.05):
+def wait_for(predicate, timeout=60.0, every=0.05):
+    """Poll until true; the bound is generous (a busy 2-core machine is slow, not wrong)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

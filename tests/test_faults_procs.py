@@ -40,13 +40,16 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:  # a zombie has exited: its reaper is slow
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    return True
+        except (ProcessLookupError, FileNotFoundError):
             return True
         try:  # reap it if it became our zombie
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
-        time.sleep(0.05)
+        time.sleep(0.01)
     return False
 
 
@@ -132,8 +135,12 @@ def test_kill_9_of_the_front_end_ends_its_engine_which_removes_the_socket_dir(tm
         assert proc.stdout.readline().strip() == "started"
         assert os.path.isdir(info["dir"])
         proc.kill()
+        killed = time.monotonic()
         proc.wait(10)
-        assert wait_gone(info["engine"]), "the engine outlived its front-end by 10 s"
+        # Well under the parent watch's 5 s hard exit, which a shutdown that blocked on
+        # the zmq context used to reach (~4 s); measured: bench/bench_engine_exit.py.
+        assert wait_gone(info["engine"], timeout=2.5), "the engine outlived its front-end"
+        assert time.monotonic() - killed < 2.5
         deadline = time.monotonic() + 5
         while os.path.exists(info["dir"]) and time.monotonic() < deadline:
             time.sleep(0.05)

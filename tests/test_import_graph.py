@@ -1,20 +1,31 @@
-"""The package's import graph, read from the source with ``ast``, has no cycles.
+"""The package's import graph, read from the source with ``ast``, has no cycles and
+no upward edge.
 
 Every ``import`` counts, the ones inside functions too: a cycle hidden behind an
 import in a function body is still two modules that cannot be understood (or
 loaded, or tested) one without the other. The cure is to move code where it
 belongs (a factory above the classes it picks, a leaf module for what both
 sides need), not to defer the import.
+
+An import of ``a.b.c`` from outside the package ``a.b`` also runs ``a/b/__init__.py``
+(an edge to ``a.b``), as Python does; from inside ``a.b`` that init is already
+running, so it adds nothing. The root package is inside every module's path, so
+its facade ``__init__`` is an edge only where a module imports a name from it.
+
+Floors (docs/architecture.md, "Floors", read from there): a module imports only
+from its own floor or lower ones.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 # The source tree, not the installed copy: the graph is a property of the code.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "python" / "enginecore"
 PACKAGE = "enginecore"
+ARCHITECTURE = PACKAGE_DIR.parent.parent / "docs" / "architecture.md"
 
 
 def module_names() -> dict[str, Path]:
@@ -63,7 +74,21 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 resolved = _nearest_module(target, modules)
                 if resolved is not None and resolved != module:
                     found.add(resolved)
+                    found |= _package_inits_run(module, resolved, modules)
     return found
+
+
+def _package_inits_run(importer: str, target: str, modules: dict[str, Path]) -> set[str]:
+    """The packages whose ``__init__`` importing ``target`` runs that ``importer``
+    is not already inside (the root package is inside every module's path)."""
+    run: set[str] = set()
+    parts = target.split(".")
+    for depth in range(2, len(parts)):
+        package = ".".join(parts[:depth])
+        if package in modules and not (importer == package
+                                       or importer.startswith(package + ".")):
+            run.add(package)
+    return run
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -137,6 +162,69 @@ def test_no_import_cycles():
     found = cycles(graph)
     described = ["\n".join(f"  {m} -> {sorted(graph[m] & set(c))}" for m in c) for c in found]
     assert not found, "import cycles in the package:\n" + "\n\n".join(described)
+
+
+def floors() -> dict[str, int]:
+    """Module or room name (``sched``, ``config``, ``enginecore`` for the root
+    facade) -> floor number, from the ``floors`` block of docs/architecture.md."""
+    block = re.search(r"```floors\n(.*?)```", ARCHITECTURE.read_text(), re.DOTALL)
+    assert block, "docs/architecture.md has no ```floors block"
+    table: dict[str, int] = {}
+    for line in block.group(1).splitlines():
+        number, _, rest = line.partition(" ")
+        for name in rest.partition(":")[2].split():
+            table[name] = int(number)
+    return table
+
+
+def floor_of(module: str, table: dict[str, int]) -> int | None:
+    if module == PACKAGE:
+        return table.get(PACKAGE)
+    return table.get(module.split(".")[1])
+
+
+def upward_imports(graph: dict[str, set[str]], table: dict[str, int]) -> list[str]:
+    found = []
+    for module in sorted(graph):
+        own = floor_of(module, table)
+        for target in sorted(graph[module]):
+            theirs = floor_of(target, table)
+            if own is not None and theirs is not None and theirs > own:
+                found.append(f"{module} (floor {own}) imports {target} (floor {theirs})")
+    return found
+
+
+def test_package_inits_count_from_outside_only(tmp_path):
+    (tmp_path / "m.py").write_text("from enginecore.frontend import step_loop\n")
+    modules = {"enginecore.frontend": tmp_path / "__init__.py", "enginecore.m": tmp_path / "m.py",
+               "enginecore.frontend.step_loop": tmp_path / "step_loop.py"}
+    assert imports_of("enginecore.m", tmp_path / "m.py", modules) == {
+        "enginecore.frontend", "enginecore.frontend.step_loop"}
+    inside = tmp_path / "op.py"
+    inside.write_text("from enginecore.frontend import step_loop\n")
+    modules["enginecore.frontend.op"] = inside
+    assert imports_of("enginecore.frontend.op", inside, modules) == {
+        "enginecore.frontend.step_loop"}
+
+
+def test_upward_imports_are_found():
+    table = {"protocol": 0, "core": 3}
+    graph = {"enginecore.protocol": {"enginecore.core.engine_core"},
+             "enginecore.core.engine_core": {"enginecore.protocol"}}
+    assert upward_imports(graph, table) == [
+        "enginecore.protocol (floor 0) imports enginecore.core.engine_core (floor 3)"]
+
+
+def test_every_module_has_a_floor():
+    table = floors()
+    missing = sorted(m for m in import_graph() if floor_of(m, table) is None)
+    assert not missing, ("modules without a floor (add their room to the ```floors block of "
+                         f"docs/architecture.md): {missing}")
+
+
+def test_no_module_imports_from_a_higher_floor():
+    found = upward_imports(import_graph(), floors())
+    assert not found, "upward imports:\n  " + "\n  ".join(found)
 
 
 def test_make_client_keeps_vllms_spelling():

@@ -1,5 +1,10 @@
 """The one switch between the native (C++) hot paths and their Python twins.
 
+It says *whether* the native path is on and hands out the extension; it knows no
+room. Each room picks its own twin (``twin()``, or ``extension()`` where a room
+marshals arguments first; the front-end imports its Cython step loop itself), so
+this module sits on the bottom floor and imports nothing of the package but ``_C``.
+
 ``ENGINECORE_NATIVE=0`` in the environment, or ``set_native(False)`` (which the
 ``use_native`` config flag calls), forces every hot path onto pure Python.
 Results are identical either way; only speed differs.
@@ -10,8 +15,10 @@ from __future__ import annotations
 import logging
 import os
 from types import ModuleType
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 try:  # the extension is optional at import time so a broken build degrades, loudly
     from enginecore import _C as _ext  # type: ignore[attr-defined]
@@ -40,27 +47,13 @@ def native_available() -> bool:
     return extension() is not None
 
 
-_step_loop_cy: ModuleType | None = None
-
-
-def step_loop() -> ModuleType:
-    """The front-end output processor's per-step loop: the Cython module
-    (``frontend/step_loop_cy.pyx``, built by the same CMake build as ``_C``) on the
-    native path, its Python twin ``frontend/step_loop.py`` otherwise. Imported on
-    first use (the front-end is not loaded with the package)."""
-    global _step_loop_cy
-    if extension() is None:
-        from enginecore.frontend import step_loop
-
-        return step_loop
-    if _step_loop_cy is None:
-        try:
-            from enginecore.frontend import step_loop_cy
-        except ImportError as e:  # the same build makes both: a broken install
-            raise RuntimeError(f"enginecore._C is built but the Cython step loop is not: {e}; "
-                               "reinstall, or run with ENGINECORE_NATIVE=0") from e
-        _step_loop_cy = step_loop_cy
-    return _step_loop_cy
+def twin(name: str, python: T) -> T:
+    """``_C.name`` when the native path is on, else its Python twin ``python`` (by the
+    twin rule, ``name_py``): how a room picks its twin without this module knowing
+    the room. Ask at call time or when an object is made, not at import, so the
+    switch moves every hot path at once."""
+    ext = extension()
+    return python if ext is None else getattr(ext, name)
 
 
 def set_native(enabled: bool | None) -> None:

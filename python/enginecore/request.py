@@ -12,7 +12,6 @@ from enginecore.sampling_params import SamplingParams
 from enginecore.sched.block_hash import ExtraKey, check_algo, encode_extra_keys, mm_block_extra_keys
 from enginecore.sched.request_table import request_table_class
 
-
 _NO_TOKEN_LIMIT = 2**62
 
 
@@ -67,10 +66,10 @@ class Request:
         "num_preemptions",
         "block_size",
         "hash_algo",
-        "max_tokens",
-        "min_tokens",
-        "stop_token_ids",
-        "ignore_eos",
+        "_max_tokens",
+        "_min_tokens",
+        "_stop_token_ids",
+        "_ignore_eos",
         "current_wave",
         "pooling_params",
         "mm_features",
@@ -122,11 +121,11 @@ class Request:
         self.grammar_error: str | None = None
         # None (no front-end resolved it): up to the context limit, which the
         # scheduler's max_model_len check enforces.
-        self.max_tokens = (sampling_params.max_tokens if sampling_params.max_tokens is not None
+        self._max_tokens = (sampling_params.max_tokens if sampling_params.max_tokens is not None
                            else _NO_TOKEN_LIMIT)
-        self.min_tokens = sampling_params.min_tokens
-        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        self.ignore_eos = sampling_params.ignore_eos
+        self._min_tokens = sampling_params.min_tokens
+        self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self._ignore_eos = sampling_params.ignore_eos
         self.hash_algo = hash_algo
         if enable_block_hashes:
             check_algo(hash_algo)
@@ -142,9 +141,9 @@ class Request:
                              f"{table.block_size}")
         self.block_size = block_size if enable_block_hashes else 0
         self.slot = table.add(
-            request_id, prompt_token_ids, client_index, self.max_tokens, self.min_tokens,
-            -1 if eos_token_id is None else eos_token_id, self.ignore_eos,
-            sorted(self.stop_token_ids), priority, self.arrival_time,
+            request_id, prompt_token_ids, client_index, self._max_tokens, self._min_tokens,
+            -1 if eos_token_id is None else eos_token_id, self._ignore_eos,
+            sorted(self._stop_token_ids), priority, self.arrival_time,
             encode_extra_keys(keys or None), enable_block_hashes,
             self._block_extra_keys(block_size))
         self.table = table
@@ -209,6 +208,24 @@ class Request:
         )
 
     # -- the row's fields ------------------------------------------------------------
+    # The stop parameters live in the table row, which check_stop reads (natively or in
+    # the twin); these are read-only so that no one sets a copy the row never sees.
+    @property
+    def max_tokens(self) -> int:
+        return self._max_tokens
+
+    @property
+    def min_tokens(self) -> int:
+        return self._min_tokens
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self._stop_token_ids
+
+    @property
+    def ignore_eos(self) -> bool:
+        return self._ignore_eos
+
     @property
     def status(self) -> RequestStatus:
         return RequestStatus(self.table.get_status(self.slot))

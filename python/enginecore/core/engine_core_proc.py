@@ -235,17 +235,24 @@ class EngineCoreProc(EngineIO, EngineCore):
     def send_engine_dead(self) -> None:
         self.output_queue.put_nowait((None, ENGINE_CORE_DEAD))
 
-    def shutdown(self) -> None:
+    def shutdown(self, process_exit: bool = False, front_end_gone: bool = False) -> None:
+        """Stop the IO threads, the executor, then the sockets. ``process_exit``: the
+        process leaves by ``os._exit`` next, which frees the zmq context: terminating it
+        here was seen to block (until the parent watch's hard exit, ~4 s after a kill -9
+        of the front-end). ``front_end_gone``: nobody reads the last outputs, so the
+        output thread (perhaps blocked sending to a peerless socket) is not waited for."""
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
             self.output_queue.put_nowait(SHUTDOWN)
-            self.output_thread.join(timeout=5)
-            self.input_thread.join(timeout=2)
+            self.output_thread.join(timeout=0.1 if front_end_gone else 5)
+            self.input_thread.join(timeout=0.1 if front_end_gone else 2)
             stuck = [t.name for t in (self.output_thread, self.input_thread) if t.is_alive()]
         else:
             stuck = []
         super().shutdown()
+        if process_exit:
+            return
         if stuck:
             # Closing sockets under a live IO thread can hang in zmq_ctx_term; the
             # process is exiting anyway (run_engine_core ends with os._exit).

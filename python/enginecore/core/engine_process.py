@@ -55,6 +55,7 @@ def run_engine_core(
                         "%(name)s: %(message)s")
 
     def on_signal(signum: int, frame: Any) -> None:
+        _stop_taking_signals()  # one shutdown: a second SIGTERM must not cut it short
         raise _Shutdown(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -68,30 +69,50 @@ def run_engine_core(
         # front-end that is only stalled (SIGSTOP, swap) is not taken for dead.
         watch_parent(parent_pid, lambda: parent_gone.append(True))
     engine: EngineCoreProc | None = None
-    exit_code = 0
+    exit_code = 1
     try:
-        engine = engine_core_proc_class(config)(config, handshake_address, executor_class, log_stats, engine_index,
-                     handshake_timeout_s)
-        engine.run_busy_loop()
-    except _Shutdown as e:
-        logger.info("engine %d shutting down on %s", engine_index, e)
-    except RankRemoved:
-        logger.info("engine %d left the data-parallel group; exiting", engine_index)
-    except BaseException:
-        exit_code = 1
-        logger.error("engine %d died:\n%s", engine_index, traceback.format_exc())
-        if engine is not None and hasattr(engine, "_stop"):
-            engine.send_engine_dead()
+        try:
+            engine = engine_core_proc_class(config)(config, handshake_address, executor_class,
+                                                    log_stats, engine_index, handshake_timeout_s)
+            engine.run_busy_loop()
+            exit_code = 0
+        except _Shutdown as e:
+            exit_code = 0
+            logger.info("engine %d shutting down on %s", engine_index, e)
+        except RankRemoved:
+            exit_code = 0
+            logger.info("engine %d left the data-parallel group; exiting", engine_index)
+        except BaseException:  # noqa: BLE001 - any death is reported, then the same exit
+            _stop_taking_signals()
+            logger.error("engine %d died:\n%s", engine_index, traceback.format_exc())
+            if engine is not None and hasattr(engine, "_stop"):
+                engine.send_engine_dead()
+        finally:
+            _stop_taking_signals()
+            if engine is not None:
+                try:
+                    engine.shutdown(process_exit=True,
+                                    front_end_gone=bool(parent_gone) or engine.owner_gone)
+                except BaseException:
+                    logger.exception("engine %d shutdown failed", engine_index)
+            if ipc_dir is not None and (parent_gone or (engine is not None and engine.owner_gone)):
+                remove_private_dir(ipc_dir)  # the front-end is gone: nobody else will
     finally:
-        if engine is not None:
-            try:
-                engine.shutdown()
-            except BaseException:  # noqa: BLE001
-                logger.exception("engine %d shutdown failed", engine_index)
-        if ipc_dir is not None and (parent_gone or (engine is not None and engine.owner_gone)):
-            remove_private_dir(ipc_dir)  # the front-end is gone: nobody else will
-    # Everything is closed: leave without interpreter finalization, where library
-    # finalizers (torch, zmq) have been seen to stall a dying engine for seconds.
+        # Whatever got here (a signal during the cleanup above included) leaves through
+        # _exit: an exception escaping to multiprocessing would exit through interpreter
+        # finalization, which took seconds when the front-end was killed (its SIGTERM and
+        # the front-end's closed socket arrive together, one inside the other's cleanup).
+        _exit(exit_code)
+
+
+def _stop_taking_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _exit(exit_code: int) -> None:
+    """Everything is closed: leave without interpreter finalization, where library
+    finalizers (torch, zmq) have been seen to stall a dying engine for seconds."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

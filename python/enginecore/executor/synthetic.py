@@ -15,7 +15,7 @@ from typing import Any
 
 from enginecore import _native
 from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
-from enginecore.executor.lora_slots import LoRASlots
+from enginecore.model.lora_slots import LoRASlots
 from enginecore.protocol import LoRARequest
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 

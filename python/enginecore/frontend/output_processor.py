@@ -2,8 +2,8 @@
 that turns ``EngineCoreOutput``s into ``RequestOutput``s.
 
 ``OutputProcessor.process_outputs`` runs the per-step loop (``step_loop.py`` or
-its Cython twin, chosen by ``enginecore._native.step_loop()`` when the
-processor is made) over one step's outputs. Requests of ``AsyncLLM`` have a
+its Cython twin, chosen by ``step_loop_module()`` when the processor is
+made) over one step's outputs. Requests of ``AsyncLLM`` have a
 ``RequestOutputCollector`` that their ``generate()`` awaits; ``LLM``'s have none
 and come back in the returned list. An abort here (a caller's, or a cancelled
 stream) goes through the same loop as an engine ABORT, so the caller gets a
@@ -16,9 +16,11 @@ import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from enginecore import _native
+from enginecore.frontend import step_loop
 from enginecore.frontend.detokenizer import DetokenizerFactory
 from enginecore.frontend.metrics import IterationStats
 from enginecore.frontend.parallel_sampling import ParentRequest
@@ -27,6 +29,19 @@ from enginecore.protocol import EngineCoreOutput, EngineCoreRequest, FinishReaso
 from enginecore.sampling_params import RequestOutputKind
 
 AnyOutput = RequestOutput | EmbeddingRequestOutput
+
+
+def step_loop_module() -> ModuleType:
+    """The per-step loop: the Cython module ``step_loop_cy`` (built by the same CMake
+    build as ``_C``) on the native path, its Python twin ``step_loop`` otherwise."""
+    if not _native.native_available():
+        return step_loop
+    try:
+        from enginecore.frontend import step_loop_cy
+    except ImportError as e:  # the same build makes both: a broken install
+        raise RuntimeError(f"enginecore._C is built but the Cython step loop is not: {e}; "
+                           "reinstall, or run with ENGINECORE_NATIVE=0") from e
+    return step_loop_cy
 
 
 class RequestOutputCollector:
@@ -81,7 +96,7 @@ class OutputProcessor:
         self.log_stats = log_stats
         self.detokenizers = (DetokenizerFactory.for_tokenizer(tokenizer) if tokenizer is not None
                              else None)
-        self._loop = _native.step_loop()
+        self._loop = step_loop_module()
         self.request_states: dict[str, Any] = {}  # engine request id -> RequestState
         self.parent_requests: dict[str, ParentRequest] = {}  # caller id -> parent (n > 1)
         self._external: dict[str, list[str]] = {}  # caller id -> its engine request ids

@@ -7,7 +7,7 @@ request's kind, logprobs given their decoded tokens, timing noted. Outputs go
 to the request's queue (``AsyncLLM``) or into the returned list (``LLM``).
 
 The Cython twin (``step_loop_cy.pyx``, same names, same results bit for bit) is
-chosen by ``enginecore._native.step_loop()``. The names differ because an
+chosen by ``output_processor.step_loop_module()``. The names differ because an
 extension module named ``step_loop`` would shadow this file on import.
 
 Stop strings (vLLM semantics): a match must end in text that is new this step

@@ -13,7 +13,7 @@ from enginecore.config import EngineConfig
 from enginecore.model.arch_config import LlamaArchConfig, load_arch_config
 from enginecore.model.attention import make_attention_metadata
 from enginecore.model.hf_loader import iterate_weights
-from enginecore.executor.lora_slots import LoRASlots
+from enginecore.model.lora_slots import LoRASlots
 from enginecore.model.llama import LlamaForCausalLM
 from enginecore.model.lora import LoRABatch, LoRAError, LoRAWeights, load_lora
 from enginecore.protocol import LoRARequest

@@ -215,5 +215,4 @@ def _check_hash(block_hash: object) -> None:
 
 def block_pool_class() -> type:
     """``_C.BlockPool`` on the native path, ``PyBlockPool`` otherwise."""
-    ext = _native.extension()
-    return ext.BlockPool if ext is not None else PyBlockPool
+    return _native.twin("BlockPool", PyBlockPool)

@@ -474,5 +474,4 @@ def _hash(tokens: list[int], start: int, block_size: int, parent: bytes | None,
 
 def request_table_class() -> type:
     """``_C.RequestTable`` on the native path, ``PyRequestTable`` otherwise."""
-    ext = _native.extension()
-    return ext.RequestTable if ext is not None else PyRequestTable
+    return _native.twin("RequestTable", PyRequestTable)
