@@ -60,7 +60,7 @@ def wait_done(client: BlockClient, timeout_s: float = 30.0):
 
 def pair(keys_p, keys_c, kv_p, kv_c, timeout_s=30.0, layout_c=None, **kw):
     bp, bc = CacheBlockBytes(kv_p, BLOCK), CacheBlockBytes(kv_c, BLOCK)
-    server = BlockServer(bp, bp.layout("tiny"), keys_p)
+    server = BlockServer(bp, bp.layout("tiny"), keys_p, register_grace_s=0.5)
     client = BlockClient(bc, layout_c or bc.layout("tiny"), keys_c, "decode-0",
                          timeout_s=timeout_s, **kw)
     return server, client
@@ -107,6 +107,21 @@ def test_only_registered_blocks_are_served(tmp_path):
         client.start(PullJob("b", "127.0.0.1", server.port, "nobody", [1], [4]))
         assert wait_done(client) == (set(), {"b": [4]})
         assert all(not k.any() and not v.any() for k, v in kv_c)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_pull_may_overtake_its_registration(tmp_path):
+    keys = load_kv_keys({"curve_key_file": key_file(tmp_path)})
+    kv_p, kv_c = cache(1), cache(None)
+    server, client = pair(keys, keys, kv_p, kv_c)
+    try:
+        client.start(PullJob("d", "127.0.0.1", server.port, "p-req", [2, 3], [5, 6]))
+        time.sleep(0.2)  # the pull waits at the producer, within its grace
+        server.register("p-req", [2, 3])
+        assert wait_done(client) == ({"d"}, {})
+        assert torch.equal(block(kv_c[0][0], 5), block(kv_p[0][0], 2))
     finally:
         client.close()
         server.close()

@@ -36,10 +36,15 @@ class _Lease:
 
 class BlockServer:
     def __init__(self, blocks: CacheBlockBytes, layout: wire.KVLayout, keys: CurveKeys | None,
-                 host: str = "127.0.0.1", port: int = 0, lease_s: float = 480.0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, lease_s: float = 480.0,
+                 register_grace_s: float = 5.0) -> None:
         self.blocks = blocks
         self.layout = layout
         self.lease_s = lease_s
+        # A pull may overtake its registration (the prefill's answer leaves the engine
+        # a step before the worker registers the blocks): it waits this long for it.
+        self.register_grace_s = register_grace_s
+        self._parked: list[tuple[float, bytes, wire.Pull]] = []
         self._ctx = zmq.Context()
         self._auth = start_authenticator(self._ctx, keys)
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -100,6 +105,7 @@ class BlockServer:
                     self._handle(frames)
                 except Exception:  # one bad message must not stop the server
                     logger.exception("kv block server: a message failed")
+            self._retry_parked()
             self._expire()
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -125,14 +131,26 @@ class BlockServer:
         else:
             logger.warning("kv block server: unknown message type %r dropped", kind[:8])
 
-    def _pull(self, peer: bytes, pull: wire.Pull) -> None:
+    def _retry_parked(self) -> None:
+        if not self._parked:
+            return
+        parked, self._parked = self._parked, []
+        for deadline, peer, pull in parked:
+            self._pull(peer, pull, deadline)
+
+    def _pull(self, peer: bytes, pull: wire.Pull, deadline: float | None = None) -> None:
+        now = time.monotonic()
         with self._lock:
             lease = self._leases.get(pull.request_id)
             if lease is not None:
-                lease.expires = time.monotonic() + self.lease_s
+                lease.expires = now + self.lease_s
+        if lease is None and (deadline is None or now < deadline):
+            self._parked.append((deadline or now + self.register_grace_s, peer, pull))
+            return
         if lease is None:
             self._error(peer, pull.transfer_id, f"request {pull.request_id!r} has no blocks "
-                        "here (never registered, already released, or its lease expired)")
+                        f"here (not registered within {self.register_grace_s:g} s, already "
+                        "released, or its lease expired)")
             return
         if not lease.block_ids.issuperset(pull.block_ids) or not pull.block_ids:
             self._error(peer, pull.transfer_id, f"blocks {pull.block_ids} are not all "
