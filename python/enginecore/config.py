@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args
 
 from enginecore import config_cli
 from enginecore.config_aliases import to_field_values
+from enginecore.kv_transfer.kv_transfer_config import KVTransferConfig
 from enginecore.model_config import SYNTHETIC_MODEL, ModelConfig
 from enginecore.paths import default_cache_dir
 from enginecore.sched.block_hash import HASH_ALGOS
@@ -148,6 +149,8 @@ class EngineConfig:
     transport_config: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
         default_factory=StructuredOutputsConfig)
+    # KV transfer (vLLM's kv_transfer_config): None, no KV connector.
+    kv_transfer_config: KVTransferConfig | None = None
 
 
 # Groups of the CLI's --help, in this order.
@@ -160,6 +163,7 @@ G_LORA = "LoRA adapters"
 G_STATS = "Logging and stats"
 G_ENGINE = "Engine internals (hot paths, executor, synthetic model)"
 G_TRANSPORT = "Transport, limits and security"
+G_KV_TRANSFER = "KV transfer (KV connector)"
 
 
 def arg(default: Any, group: str, help: str, **cli: Any) -> Any:
@@ -307,6 +311,12 @@ class EngineArgs:
     structured_outputs_mask_budget_ms: float = arg(
         10.0, G_TRANSPORT, "CPU milliseconds one request's structured-output token mask may "
         "take in a step; a constraint that needs more is that request's error")
+    kv_transfer_config: KVTransferConfig | None = arg(
+        None, G_KV_TRANSFER, "the KV connector, as vLLM's JSON: kv_connector (a name such as "
+        "SharedStorageConnector), kv_role (kv_producer, kv_consumer, kv_both), "
+        "kv_connector_extra_config, kv_load_failure_policy (recompute, fail), "
+        "kv_connector_module_path (a plug-in); default: none", metavar="JSON",
+        convert=KVTransferConfig.from_cli)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Keywords by field name or by vLLM's name (config_aliases.py); ``model``
@@ -405,6 +415,8 @@ class EngineArgs:
                 curve=self.zmq_curve, curve_key_file=self.zmq_curve_key_file),
             structured_outputs_config=StructuredOutputsConfig(
                 self.structured_outputs_mask_budget_ms),
+            kv_transfer_config=(None if self.kv_transfer_config is None
+                                else KVTransferConfig.from_cli(self.kv_transfer_config)),
         )
 
     def _validate(self) -> None:

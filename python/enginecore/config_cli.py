@@ -92,7 +92,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> argparse.A
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            convert = human_int if meta.get("parse") == "human_int" else base
+            convert = human_int if meta.get("parse") == "human_int" else meta.get("convert", base)
             kw["type"] = _none_or(convert) if optional else convert
             if "choices" in meta:
                 kw["choices"] = (*meta["choices"], None) if optional else meta["choices"]

@@ -76,6 +76,13 @@ class EngineCoreRequest(
     pooling_params: PoolingParams | None = None
     # The request's EOS token (the front-end sets its tokenizer's); None: the model's.
     eos_token_id: NonNegInt64 | None = None
+    # KV transfer (vLLM's field): what the KV connector needs for this request, e.g.
+    # do_remote_decode / do_remote_prefill, remote_engine_id, remote_block_ids,
+    # remote_host, remote_port. None also when SamplingParams.extra_args carries it.
+    kv_transfer_params: dict[str, Any] | None = None
+    # Abort at once after adding, so the connector's request_finished frees what the
+    # request reserved before admission (a P/D client that went away).
+    abort_immediately: bool = False
 
 
 class _RequestIdOnly(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
@@ -161,6 +168,8 @@ class EngineCoreOutput(
     # prompt_logprobs: rows for prompt positions 1..P-1 (row i: prompt token i+1
     # first, then the top-N), sent once, with the request's first token.
     new_prompt_logprobs: Logprobs | None = None
+    # KV transfer: what the connector's request_finished returned (with the finish).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -215,6 +224,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     spec_num_drafts: int = 0
     # accepted drafts by position in the draft (cumulative)
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # KV connector counters since the last stats (vLLM's kv_connector_stats), and
+    # tokens loaded through the connector (cumulative); None / 0 without a connector.
+    kv_connector_stats: dict[str, Any] | None = None
+    num_external_computed_tokens: int = 0
 
 
 class EngineCoreOutputs(
