@@ -66,3 +66,11 @@ class KVConnectorFactory:
 KVConnectorFactory.register_connector(
     "SharedStorageConnector", "enginecore.kv_transfer.shared_storage_connector",
     "SharedStorageConnector")
+KVConnectorFactory.register_connector(
+    "OffloadingConnector", "enginecore.kv_transfer.offloading_connector", "OffloadingConnector")
+KVConnectorFactory.register_connector(
+    "PDConnector", "enginecore.kv_transfer.pd_connector", "PDConnector")
+# vLLM's P/D connector name: NIXL has no build on these machines, so a vLLM launch line
+# ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}) runs on PDConnector's transport.
+KVConnectorFactory.register_connector(
+    "NixlConnector", "enginecore.kv_transfer.pd_connector", "PDConnector")

@@ -34,7 +34,10 @@ class ConnectorScheduling:
         self.delayed_free: set[str] = set()
         # Requests whose request_finished already ran (it runs once per request).
         self._notified: set[str] = set()
-        self.num_waiting_for_remote = 0
+        # Requests in WAITING_FOR_REMOTE_KVS (a set: one aborted while waiting leaves it).
+        self.waiting_for_remote: set[str] = set()
+        # Async loads that failed under "recompute": request -> its first failed block.
+        self.failed_recv: dict[str, int] = {}
         # Cumulative: tokens the connector supplied instead of the model computing them.
         self.num_external_computed_tokens = 0
         self._stats: dict[str, Any] = {}
@@ -62,7 +65,7 @@ class ConnectorScheduling:
             # Not in the prefix cache until the bytes are there.
             kv.uncache_from(request, num_local_blocks * self.block_size)
             request.status = WAITING_FOR_REMOTE_KVS
-            self.num_waiting_for_remote += 1
+            self.waiting_for_remote.add(request.request_id)
 
     def ready_after_recv(self, request: Request, kv: Any) -> bool:
         """Whether a WAITING_FOR_REMOTE_KVS request's KV has arrived; if so it becomes
@@ -71,7 +74,16 @@ class ConnectorScheduling:
         if rid not in self.finished_recving_kv_req_ids:
             return False
         self.finished_recving_kv_req_ids.discard(rid)
-        self.num_waiting_for_remote -= 1
+        self.waiting_for_remote.discard(rid)
+        if rid in self.failed_recv:
+            # Recompute: the request starts over from its local prefix-cache hits (its
+            # blocks go back; the ones that arrived were never put in the prefix cache).
+            self.failed_recv.pop(rid)
+            logger.warning("request %s: its KV load failed; its prompt is recomputed", rid)
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            return True
         num_computed = min(len(kv.get_block_ids(request)) * self.block_size,
                            request.num_tokens - 1)
         request.num_computed_tokens = num_computed
@@ -84,7 +96,11 @@ class ConnectorScheduling:
 
     def has_pending(self) -> bool:
         """Transfers in flight: the engine keeps stepping so the workers report them."""
-        return bool(self.delayed_free or self.num_waiting_for_remote)
+        return bool(self.delayed_free or self.waiting_for_remote)
+
+    @property
+    def num_waiting_for_remote(self) -> int:
+        return len(self.waiting_for_remote)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> dict[str, Any] | None:
         """The connector's request_finished, once per request; the params for the client."""
@@ -100,6 +116,9 @@ class ConnectorScheduling:
     def forget(self, request_id: str) -> None:
         self._notified.discard(request_id)
         self.delayed_free.discard(request_id)
+        self.waiting_for_remote.discard(request_id)
+        self.failed_recv.pop(request_id, None)
+        self.finished_recving_kv_req_ids.discard(request_id)
 
     def update_from_output(self, output: KVConnectorOutput | None) -> list[str]:
         """Fold the workers' connector output in; the ids whose delayed blocks may go."""

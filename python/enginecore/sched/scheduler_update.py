@@ -258,6 +258,7 @@ class SchedulerUpdate:
         back to waiting and compute what they cannot load (the blocks leave the prefix
         cache first)."""
         kv = self.kv_cache_manager
+        self._kv_async_load_failed(bad_blocks)
         hit = [r for r in self.running if bad_blocks.intersection(kv.get_block_ids(r))]
         if not hit:
             return
@@ -275,6 +276,30 @@ class SchedulerUpdate:
             kv.uncache_from(r, 0)
             r.num_cached_tokens = -1
             self._preempt(r)
+
+    def _kv_async_load_failed(self, bad_blocks: set[int]) -> None:
+        """Requests in WAITING_FOR_REMOTE_KVS whose asynchronous load failed (a P/D
+        producer died, an offload copy failed): "fail" ends them with ERROR; "recompute"
+        starts them over (from their local prefix-cache hits) once the connector
+        reports the load over."""
+        hooks, kv = self.kv_hooks, self.kv_cache_manager
+        hit: dict[str, int] = {}
+        for rid in hooks.waiting_for_remote:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            ids = kv.get_block_ids(request)
+            first_bad = next((i for i, b in enumerate(ids) if b in bad_blocks), None)
+            if first_bad is not None:
+                hit[rid] = first_bad
+        if not hit:
+            return
+        if hooks.fail_on_load_error:
+            self.finish_requests(list(hit), RequestStatus.FINISHED_ERROR,
+                                 "its KV cache could not be loaded by the KV connector "
+                                 "(kv_load_failure_policy 'fail')")
+            return
+        hooks.failed_recv.update(hit)
 
     @staticmethod
     def _emit(cols: dict[int, ColumnarOutputs], request: Request,
