@@ -93,6 +93,12 @@ def test_64_concurrent_requests_answer_as_one_server(trio):
     assert got == want
     streamed = asyncio.run(completions(proxy.url, PROMPTS[:16], stream=True))
     assert streamed == want[:16]
+    # The KV came over (no pull failed and fell back to recomputing; nothing refused);
+    # the engines' log lines are in these outputs (the connector's start-up line is).
+    assert "KV connector PDConnector" in decode.output()
+    assert "KV load failed" not in decode.output()
+    assert "kv block client" not in decode.output()
+    assert "kv block server" not in prefill.output()
     # The prefill server answered with the params (a direct look at one answer).
     r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0,
