@@ -45,6 +45,15 @@ class PullJob:
     local_block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class ReleaseJob:
+    """Release a producer's blocks unpulled (this engine had them all in its own cache)."""
+
+    host: str
+    port: int
+    remote_request_id: str
+
+
 @dataclass
 class _Transfer:
     job: PullJob
@@ -75,7 +84,7 @@ class BlockClient:
         self.chunk_blocks = max(1, chunk_blocks)
         self.window = max(1, window)
         self._ctx = zmq.Context()
-        self._jobs: queue.SimpleQueue[PullJob] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[PullJob | ReleaseJob] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ok: set[str] = set()
         self._failed: dict[str, list[int]] = {}
@@ -94,6 +103,9 @@ class BlockClient:
         if len(job.remote_block_ids) != len(job.local_block_ids):
             raise ValueError(f"{len(job.remote_block_ids)} remote blocks for "
                              f"{len(job.local_block_ids)} local ones")
+        self._jobs.put(job)
+
+    def release(self, job: ReleaseJob) -> None:
         self._jobs.put(job)
 
     def take_done(self) -> tuple[set[str], dict[str, list[int]]]:
@@ -138,6 +150,11 @@ class BlockClient:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(job, ReleaseJob):
+                peer = self._peer(job.host, job.port, poller)
+                peer.sock.send_multipart([wire.DONE, wire.encode(wire.Release(
+                    job.remote_request_id, True))])
+                continue
             self._ids += 1
             t = _Transfer(job, self._ids)
             self._transfers[t.transfer_id] = t

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enginecore.kv_transfer.base import KVConnectorMetadata
-from enginecore.kv_transfer.pd_block_client import PullJob
+from enginecore.kv_transfer.pd_block_client import PullJob, ReleaseJob
 from enginecore.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class PDHandshake:
 class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, PullJob] = field(default_factory=dict)
     reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
+    # Producers' blocks this engine did not need (all local prefix hits): freed unpulled.
+    reqs_to_release: list[ReleaseJob] = field(default_factory=list)
 
 
 class PDScheduler:
@@ -89,6 +91,9 @@ class PDScheduler:
             return
         self._used_params.add(request.request_id)
         if num_external_tokens <= 0:
+            self._meta.reqs_to_release.append(ReleaseJob(
+                str(params["remote_host"]), int(params["remote_port"]),
+                str(params.get("remote_request_id") or request.request_id)))
             return
         block_ids = blocks.get_block_ids()[0]
         first = num_local = getattr(blocks, "num_hashed", 0)

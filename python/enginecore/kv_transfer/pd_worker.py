@@ -71,6 +71,9 @@ class PDWorker:
         if self.server is not None:
             for rid, ids in meta.reqs_to_send.items():
                 self.server.register(rid, ids)
+        for release in meta.reqs_to_release:
+            if self.client is not None:
+                self.client.release(release)
         for job in meta.reqs_to_recv.values():
             if self.client is None:
                 raise RuntimeError("a pull on an engine that is not a kv_consumer")
