@@ -156,14 +156,14 @@ void write_columnar(std::string& out, long long engine_index, py::list request_i
     PyObject* toks = PyList_GET_ITEM(new_token_ids.ptr(), i);
     if (!PyList_Check(toks)) throw py::type_error("new token ids must be lists");
     const Py_ssize_t m = PyList_GET_SIZE(toks);
-    w.reserve(1 + 5 + static_cast<size_t>(len) + 5 + 9 * static_cast<size_t>(m) + 6);
-    w.byte(0x99);
+    w.reserve(1 + 5 + static_cast<size_t>(len) + 5 + 9 * static_cast<size_t>(m) + 7);
+    w.byte(0x9a);  // EngineCoreOutput's 10 fields
     w.str(s, static_cast<size_t>(len));
     w.array_header(static_cast<size_t>(m));
     for (Py_ssize_t j = 0; j < m; ++j) w.integer(as_int(PyList_GET_ITEM(toks, j), "token id"));
     // new_logprobs, finish_reason, stop_reason, num_cached_tokens = 0, pooling_output, events,
-    // new_prompt_logprobs
-    w.nil(), w.nil(), w.nil(), w.byte(0x00), w.nil(), w.nil(), w.nil();
+    // new_prompt_logprobs, kv_transfer_params
+    w.nil(), w.nil(), w.nil(), w.byte(0x00), w.nil(), w.nil(), w.nil(), w.nil();
   }
   if (next_special != num_specials) throw py::value_error("too many special outputs");
   w.reserve(1);

@@ -70,17 +70,18 @@ def make_tiny_chat_model(path: str, seed: int = 0) -> str:
 
 
 class ServerProcess:
-    """``enginecore serve ARGS`` in a subprocess; its URL once it announces itself."""
+    """``enginecore serve ARGS`` (or another serving subcommand: ``proxy``) in a
+    subprocess; its URL once it announces itself."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 180.0) -> None:
+                 startup_timeout_s: float = 180.0, command: str = "serve") -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="enginecore-serve-",
                                                suffix=".log", delete=False)
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "enginecore.entrypoints.cli", "--log-level", "INFO",
-             "serve", "--port", "0", *args],
+             command, "--port", "0", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
         self.url = self._wait_announced(startup_timeout_s)
         self.base_url = self.url + "/v1"

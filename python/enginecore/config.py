@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args
 
 from enginecore import config_cli
 from enginecore.config_aliases import to_field_values
+from enginecore.kv_transfer.kv_transfer_config import KVTransferConfig
 from enginecore.model_config import SYNTHETIC_MODEL, ModelConfig
 from enginecore.paths import default_cache_dir
 from enginecore.sched.block_hash import HASH_ALGOS
@@ -173,6 +174,8 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = dataclasses.field(
         default_factory=StructuredOutputsConfig)
     multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
+    # KV transfer (vLLM's kv_transfer_config): None, no KV connector.
+    kv_transfer_config: KVTransferConfig | None = None
 
 
 # Groups of the CLI's --help, in this order.
@@ -186,6 +189,7 @@ G_STATS = "Logging and stats"
 G_ENGINE = "Engine internals (hot paths, executor, synthetic model)"
 G_TRANSPORT = "Transport, limits and security"
 G_MM = "Multimodal inputs (images)"
+G_KV_TRANSFER = "KV transfer (KV connector)"
 
 
 def arg(default: Any, group: str, help: str, **cli: Any) -> Any:
@@ -340,6 +344,12 @@ class EngineArgs:
     structured_outputs_mask_budget_ms: float = arg(
         10.0, G_TRANSPORT, "CPU milliseconds one request's structured-output token mask may "
         "take in a step; a constraint that needs more is that request's error")
+    kv_transfer_config: KVTransferConfig | None = arg(
+        None, G_KV_TRANSFER, "the KV connector, as vLLM's JSON: kv_connector (a name such as "
+        "SharedStorageConnector), kv_role (kv_producer, kv_consumer, kv_both), "
+        "kv_connector_extra_config, kv_load_failure_policy (recompute, fail), "
+        "kv_connector_module_path (a plug-in); default: none", metavar="JSON",
+        convert=KVTransferConfig.from_cli)
 
     limit_mm_per_prompt: dict[str, int] | None = arg(  # noqa: RUF009 - None default
         None, G_MM, "most items per prompt by modality, as JSON, e.g. '{\"image\": 2}' "
@@ -460,6 +470,8 @@ class EngineArgs:
                 dict(self.limit_mm_per_prompt or {}), list(self.allowed_media_domains or []),
                 self.media_fetch_timeout_s, self.media_max_bytes, self.max_image_pixels,
                 self.mm_processor_cache_gb),
+            kv_transfer_config=(None if self.kv_transfer_config is None
+                                else KVTransferConfig.from_cli(self.kv_transfer_config)),
         )
 
     def _validate(self) -> None:

@@ -110,7 +110,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> argparse.A
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            convert = {"human_int": human_int, "json": _json_value}.get(meta.get("parse"), base)
+            convert = {"human_int": human_int, "json": _json_value}.get(
+                meta.get("parse"), meta.get("convert", base))
             if "nargs" in meta:  # a list of strs, space separated (vLLM's nargs="+")
                 kw["nargs"], convert = meta["nargs"], str
             kw["type"] = _none_or(convert) if optional else convert

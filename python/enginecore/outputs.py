@@ -9,6 +9,8 @@ frame per object). They are mutable, compare by value and have the same fields.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from enginecore.protocol import FinishReason, LoRARequest
@@ -80,6 +82,9 @@ class RequestOutput(msgspec.Struct, gc=False):
     # position token id -> Logprob (the prompt's token + the top-N). DELTA outputs
     # carry it once, in the first output.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # KV transfer: what the engine's KV connector returned when the request finished
+    # (vLLM's field; a P/D prefill server's answer carries it to the decode server).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def add(self, other: RequestOutput, aggregate: bool) -> None:
         """Fold a later output of the same request into this one (a consumer that
@@ -91,6 +96,8 @@ class RequestOutput(msgspec.Struct, gc=False):
         self.num_cached_tokens = other.num_cached_tokens
         if other.prompt_logprobs is not None:
             self.prompt_logprobs = other.prompt_logprobs
+        if other.kv_transfer_params is not None:
+            self.kv_transfer_params = other.kv_transfer_params
         by_index = {c.index: i for i, c in enumerate(self.outputs)}
         for comp in other.outputs:
             i = by_index.get(comp.index)

@@ -80,6 +80,13 @@ class EngineCoreRequest(
     # Images and other items (vLLM's MultiModalFeatureSpec), ordered by placeholder
     # offset; enginecore.multimodal.inputs.check_mm_features bounds their bytes.
     mm_features: list[MultiModalFeatureSpec] | None = None
+    # KV transfer (vLLM's field): what the KV connector needs for this request, e.g.
+    # do_remote_decode / do_remote_prefill, remote_engine_id, remote_block_ids,
+    # remote_host, remote_port. None also when SamplingParams.extra_args carries it.
+    kv_transfer_params: dict[str, Any] | None = None
+    # Abort at once after adding, so the connector's request_finished frees what the
+    # request reserved before admission (a P/D client that went away).
+    abort_immediately: bool = False
 
 
 class _RequestIdOnly(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
@@ -165,6 +172,8 @@ class EngineCoreOutput(
     # prompt_logprobs: rows for prompt positions 1..P-1 (row i: prompt token i+1
     # first, then the top-N), sent once, with the request's first token.
     new_prompt_logprobs: Logprobs | None = None
+    # KV transfer: what the connector's request_finished returned (with the finish).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -222,6 +231,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     # Multimodal receiver cache lookups since the last stats (queries: items that
     # arrived, hits: items the engine already held; vLLM's mm_cache_stats).
     mm_cache_stats: PrefixCacheStats | None = None
+    # KV connector counters since the last stats (vLLM's kv_connector_stats), and
+    # tokens loaded through the connector (cumulative); None / 0 without a connector.
+    kv_connector_stats: dict[str, Any] | None = None
+    num_external_computed_tokens: int = 0
 
 
 class EngineCoreOutputs(

@@ -16,6 +16,10 @@ _NO_TOKEN_LIMIT = 2**62
 
 
 class RequestStatus(enum.IntEnum):
+    # Waiting while a KV connector loads the request's KV asynchronously (vLLM's
+    # name). Below WAITING so that "finished" stays ">= FINISHED_STOPPED" and the
+    # native loops' RUNNING / PREEMPTED values stay as they are.
+    WAITING_FOR_REMOTE_KVS = -1
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -77,6 +81,9 @@ class Request:
         "grammar_error",
         "table",
         "slot",
+        "kv_transfer_params",
+        "num_external_computed_tokens",
+        "abort_immediately",
     )
 
     def __init__(
@@ -98,8 +105,18 @@ class Request:
         pooling_params: PoolingParams | None = None,
         table: Any = None,
         mm_features: list[MultiModalFeatureSpec] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        abort_immediately: bool = False,
     ) -> None:
         self.table = None
+        # KV transfer (vLLM): the connector's per-request parameters, the request's
+        # or its SamplingParams.extra_args["kv_transfer_params"].
+        if kv_transfer_params is None and sampling_params.extra_args:
+            kv_transfer_params = sampling_params.extra_args.get("kv_transfer_params")
+        self.kv_transfer_params = kv_transfer_params
+        # Tokens the connector supplied (loaded, not computed); counted as cached.
+        self.num_external_computed_tokens = 0
+        self.abort_immediately = abort_immediately
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -205,6 +222,8 @@ class Request:
             pooling_params=req.pooling_params,
             table=table,
             mm_features=req.mm_features,
+            kv_transfer_params=req.kv_transfer_params,
+            abort_immediately=req.abort_immediately,
         )
 
     # -- the row's fields ------------------------------------------------------------

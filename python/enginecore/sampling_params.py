@@ -144,11 +144,19 @@ class SamplingParams(
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     bad_words: list[str] | None = None
     truncate_prompt_tokens: TruncatePromptTokens | None = None
+    # vLLM's extra_args: extra arguments for plug-ins; "kv_transfer_params" is the
+    # KV connector's (the engine request carries it).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # The field annotations are the bounds (msgspec checks them on decode);
         # the same ones hold for a struct built in Python.
         check_bounds(self)
+        if self.extra_args is not None and not (
+                isinstance(self.extra_args, dict) and all(isinstance(k, str)
+                                                          for k in self.extra_args)):
+            raise ValueError("SamplingParams.extra_args must be a dict with str keys, "
+                             f"got {self.extra_args!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens "
                              f"({self.max_tokens}), got {self.min_tokens!r}")

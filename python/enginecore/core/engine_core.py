@@ -12,15 +12,20 @@ import queue
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 
 from enginecore import _native
 from enginecore.blocking_queue import make_blocking_queue
-from enginecore.bounds import NonNegInt64, PositiveInt64, finite
 from enginecore.config import EngineConfig
+from enginecore.core.engine_core_utility import EngineCoreUtilities
 from enginecore.core.fault_isolation import FaultIsolation
+from enginecore.core.kv_connector_hooks import (
+    after_add,
+    check_kv_transfer_params,
+    init_kv_connector,
+)
 from enginecore.core.stat_logger import StatLogger
 from enginecore.executor.abstract import Executor, KVCacheConfig
 from enginecore.executor.factory import get_executor_class
@@ -28,29 +33,18 @@ from enginecore.multimodal.cache import engine_receiver_cache_from_config
 from enginecore.multimodal.inputs import check_mm_features
 from enginecore.protocol import (
     EngineCoreRequest,
-    LoRARequest,
-    SchedulerStats,
     decode_request,
     encode_request,
 )
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.columnar_outputs import ColumnarOutputs
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
-from enginecore.sched.scheduler import PauseState, Scheduler
+from enginecore.sched.scheduler import Scheduler
 from enginecore.sched.structured_output import StructuredOutputError, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-# Utility argument types (core/utility.py converts to them before the call, so a
-# bad argument is refused before the method has done anything).
-PauseMode = Literal["abort", "keep", "wait"]
-Seconds = finite(ge=0.0)
-DPSize = Annotated[int, msgspec.Meta(ge=1, le=0xFFFF)]
-SleepLevel = Literal[1, 2]
-WakeUpTag = Literal["weights", "kv_cache"]
-
-
-class EngineCore:
+class EngineCore(EngineCoreUtilities):
     """Inner loop of the engine: ``step()`` schedules, runs the model, and
     turns sampled tokens into per-client outputs (``ColumnarOutputs``: columns with
     the typed ``.outputs`` view; ``to_struct()`` gives the wire's EngineCoreOutputs)."""
@@ -97,6 +91,7 @@ class EngineCore:
             track_in_flight=self.batch_queue is not None,
             structured_output=self.structured_output,
         )
+        init_kv_connector(self)
         self.stat_logger = StatLogger(
             getattr(self, "engine_index", 0), config.log_stats_interval_s,
             config.log_iteration_details,
@@ -114,7 +109,8 @@ class EngineCore:
         cc = config.cache_config
         self._block_size = cc.block_size
         self._hash_algo = cc.prefix_caching_hash_algo
-        self._enable_hashes = cc.enable_prefix_caching
+        # A KV connector finds blocks by their hashes, prefix caching or not.
+        self._enable_hashes = cc.enable_prefix_caching or self.scheduler.connector is not None
         self._tasks = self.get_supported_tasks()
         self._max_batched = config.scheduler_config.max_num_batched_tokens
         self._wire_encoder = msgspec.msgpack.Encoder()
@@ -255,7 +251,9 @@ class EngineCore:
             logger.warning("rejecting request %s: %s", request.request_id, reason)
             self.scheduler.reject_request(request, reason)
             return
+        check_kv_transfer_params(self, request)
         self.scheduler.add_request(request)
+        after_add(self, request)
 
     def _load_lora_for(self, request: Request) -> str | None:
         """Make the request's adapter resident; the reason it cannot be, or None."""
@@ -361,8 +359,10 @@ class EngineCore:
 
     @staticmethod
     def _needs_execution(so: SchedulerOutput) -> bool:
-        # Finished/preempted ids must reach the runner even without tokens to run.
-        return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids)
+        # Finished/preempted ids must reach the runner even without tokens to run; with
+        # a KV connector every step does (the workers report finished transfers).
+        return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
+                    or so.kv_connector_metadata is not None)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
@@ -422,139 +422,6 @@ class EngineCore:
             for client, outs in outputs.items():
                 for out in outs.outputs:
                     self.scheduler.owe_output(client, out)
-
-    # -- utility methods (the allow-list lives in core/utility.py) -------------------------
-    def profile(self, is_start: bool = True) -> None:
-        self.model_executor.profile(is_start)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
-
-    def pause_scheduler(self, mode: PauseMode = "abort") -> None:
-        """Stop scheduling. ``abort``: abort every live request, then pause;
-        ``keep``: freeze every request where it is; ``wait``: let running
-        requests finish, admit no new ones. Requests added while paused wait."""
-        if mode not in ("abort", "keep", "wait"):
-            raise ValueError(f"pause mode must be 'abort', 'keep' or 'wait', got {mode!r}")
-        if mode == "abort":
-            self._drain_batch_queue()
-            self.abort_requests(list(self.scheduler.requests))
-        state = PauseState.PAUSED_NEW if mode == "wait" else PauseState.PAUSED_ALL
-        self.scheduler.set_pause_state(state)
-
-    def resume_scheduler(self) -> None:
-        self.scheduler.set_pause_state(PauseState.UNPAUSED)
-
-    def is_scheduler_paused(self) -> bool:
-        return self.scheduler.pause_state != PauseState.UNPAUSED
-
-    def sleep(self, level: SleepLevel = 1) -> None:
-        """Free the KV cache (level 1) and the weights (level 2). Running
-        requests are preempted and resume by recompute after ``wake_up``."""
-        if level not in (1, 2):  # before anything is preempted
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        self._drain_batch_queue()
-        self.scheduler.preempt_all()
-        self.model_executor.sleep(level)
-        self.scheduler.reset_prefix_cache()
-
-    def wake_up(self, tags: list[WakeUpTag] | None = None) -> None:
-        self.model_executor.wake_up(tags)
-
-    def is_sleeping(self) -> bool:
-        return self.model_executor.is_sleeping
-
-    def execute_dummy_batch(self) -> None:
-        self.model_executor.execute_dummy_batch()
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self.model_executor.add_lora(lora_request)
-
-    def remove_lora(self, lora_id: PositiveInt64) -> bool:
-        return self.model_executor.remove_lora(lora_id)
-
-    def list_loras(self) -> set[int]:
-        return self.model_executor.list_loras()
-
-    def pin_lora(self, lora_id: PositiveInt64) -> bool:
-        return self.model_executor.pin_lora(lora_id)
-
-    def collective_rpc(
-        self,
-        method: str,
-        timeout: Seconds | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        return self.model_executor.collective_rpc(method, timeout, tuple(args), kwargs)
-
-    def save_sharded_state(
-        self, path: str, pattern: str | None = None, max_size: int | None = None
-    ) -> None:
-        self.model_executor.save_sharded_state(path, pattern, max_size)
-
-    def set_weight_version(self, version: str | None) -> None:
-        self.weight_version = version
-
-    def get_weight_version(self) -> str | None:
-        return self.weight_version
-
-    def get_kv_cache_group_metadata(self) -> list[dict[str, Any]]:
-        spec = self.model_executor.get_kv_cache_specs()
-        return [{
-            "group_id": 0,
-            "kind": "full_attention",
-            "block_size": spec.block_size,
-            "num_blocks": self.config.cache_config.num_gpu_blocks,
-            "num_layers": spec.num_layers,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "page_size_bytes": spec.page_size_bytes,
-        }]
-
-    def get_supported_tasks(self) -> tuple[str, ...]:
-        return self.model_executor.get_supported_tasks()
-
-    def reset_mm_cache(self) -> bool:
-        """Forget every processed item the receiver cache holds (the front-end
-        clears its sender cache first); False when the model takes no images."""
-        if self.mm_receiver_cache is None:
-            logger.info("reset_mm_cache: %s takes no multimodal inputs; nothing to reset",
-                        self.config.model_config.model)
-            return False
-        self.mm_receiver_cache.clear()
-        return True
-
-    def reset_encoder_cache(self) -> bool:
-        """No encoder cache in the supported models: nothing to reset."""
-        logger.info("reset_encoder_cache: %s has no encoder cache; nothing to reset",
-                    self.config.model_config.model)
-        return False
-
-    def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
-
-    def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        return self.scheduler.get_request_counts()
-
-    def barrier(self) -> bool:
-        """Return once every data-parallel rank has reached it (one engine: at once)."""
-        return True
-
-    def reinitialize_distributed(self, new_size: DPSize, generation: NonNegInt64) -> bool:
-        """Data parallel only: move to a group of ``new_size`` ranks; False on a
-        rank that leaves (DPEngineCoreProc)."""
-        raise RuntimeError("reinitialize_distributed needs a data-parallel engine "
-                           "(data_parallel_size > 1)")
-
-    def get_dp_state(self) -> dict[str, Any]:
-        """Data-parallel state of this engine (rank, size, wave, ...)."""
-        return {"data_parallel_rank": 0, "data_parallel_size": 1, "lockstep": False}
-
-    def echo(self, value: Any = None) -> Any:
-        """Return the argument: a liveness and round-trip check for clients."""
-        return value
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

@@ -27,6 +27,7 @@ SUBCOMMANDS = (
     "enginecore.entrypoints.headless",
     "enginecore.entrypoints.openai.cli_args",  # serve
     "enginecore.entrypoints.chat",
+    "enginecore.entrypoints.proxy.cli",  # proxy (disaggregated prefill/decode)
 )
 
 

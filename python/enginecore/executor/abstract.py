@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from enginecore.config import EngineConfig
+from enginecore.kv_transfer.output import KVOutputAggregator
 from enginecore.protocol import LoRARequest
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -106,6 +107,21 @@ class Executor(abc.ABC):
                 f"{sorted(self.RPC_METHODS)}"
             )
         return [getattr(self, "_rpc_" + method)(*args, **(kwargs or {}))]
+
+    # -- KV transfer -------------------------------------------------------------------
+    def init_kv_output_aggregator(self, connector: Any) -> None:
+        """A KV connector is configured: finished sends / receives are combined across
+        this executor's workers (a request is done once every worker reports it)."""
+        self.kv_output_aggregator = KVOutputAggregator.from_connector(connector,
+                                                                      self.world_size)
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def get_kv_connector_handshake_metadata(self) -> list[dict[tuple[int, int], Any]]:
+        """Per worker, {(pp_rank, tp_rank): its connector's handshake metadata}."""
+        return []
 
     # -- lifecycle ---------------------------------------------------------------------
     def register_failure_callback(self, callback: Callable[[], None]) -> None:

@@ -154,7 +154,16 @@ class UniProcExecutor(Executor):
         # request(s) that cause it (core/fault_isolation.py) and probes the device
         # with a dummy batch before it gives up.
         with self._lock:
-            return self.runner.execute_model(scheduler_output)
+            output = self.runner.execute_model(scheduler_output)
+        if output.kv_connector_output is not None:
+            output.kv_connector_output = self.kv_output_aggregator.aggregate(
+                [output.kv_connector_output])
+        return output
+
+    def get_kv_connector_handshake_metadata(self) -> list[dict[tuple[int, int], Any]]:
+        kvc = getattr(self.runner, "kv_connector", None)
+        meta = None if kvc is None else kvc.handshake_metadata()
+        return [] if meta is None else [{(0, 0): meta}]
 
     def execute_dummy_batch(self) -> None:
         self.runner.dummy_forward(1)
@@ -242,6 +251,9 @@ class UniProcExecutor(Executor):
                         rank=self.config.parallel_config.data_parallel_rank)
 
     def shutdown(self) -> None:
+        kvc = getattr(self.runner, "kv_connector", None)
+        if kvc is not None:
+            kvc.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

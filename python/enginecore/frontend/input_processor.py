@@ -165,7 +165,7 @@ class InputProcessor:
             request_id, ids, sp, time.time() if arrival_time is None else arrival_time,
             lora_request, salt, data_parallel_rank, priority=priority,
             pooling_params=params if pooling else None, eos_token_id=self._eos_token_id(),
-            mm_features=mm_features or None)
+            mm_features=mm_features or None, kv_transfer_params=_kv_transfer_params(sp))
         return text, request
 
     def strip_sent_mm(self, request: EngineCoreRequest) -> EngineCoreRequest:
@@ -397,3 +397,12 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}]: a {msg['role']!r} message needs 'content'")
         out.append(msg)
     return out
+
+
+def _kv_transfer_params(params: object) -> dict | None:
+    """vLLM's SamplingParams.extra_args["kv_transfer_params"] (the KV connector's)."""
+    extra = getattr(params, "extra_args", None)
+    value = extra.get("kv_transfer_params") if extra else None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_params must be a JSON object, got {value!r}")
+    return value

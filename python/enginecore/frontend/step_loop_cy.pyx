@@ -338,6 +338,8 @@ def process_outputs(dict states, list outputs, double now, object iteration):
                 st.prompt_logprobs = None  # sent once
             out = RequestOutput(st.external_id, st.prompt, st.prompt_token_ids, [comp],
                                 finished, o.num_cached_tokens, m, st.lora_request, plp)
+            if o.kv_transfer_params is not None:
+                out.kv_transfer_params = o.kv_transfer_params
             if st.queue is not None:
                 st.queue.put(out)
             else:

@@ -14,6 +14,7 @@ attention through ``paged_attention``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -256,7 +257,9 @@ class LlamaForCausalLM:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoRABatch | None = None,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of embedding input_ids
+        kv_hook: Any = None,
     ) -> torch.Tensor:
+        """``kv_hook``: a KV connector's per-layer calls (kv_transfer/worker_hooks.py)."""
         cfg = self.cfg
         T = input_ids.shape[0]
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -285,8 +288,12 @@ class LlamaForCausalLM:
                 qk = rms_norm(qk, layer.qk_norm_w, eps)
             qk = rope(qk)
             v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
+            if kv_hook is not None:
+                kv_hook.wait_for_layer_load(li)
             attn = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, self.scale,
                                    sliding_window=windows[li], logits_soft_cap=soft_cap)
+            if kv_hook is not None:
+                kv_hook.save_kv_layer(li)
             o = layer.o_w(attn)
             if lora is not None:
                 lora.apply(o, attn, li, o_t)

@@ -13,6 +13,7 @@ from enginecore.config import EngineConfig
 from enginecore.model.arch_config import LlamaArchConfig, load_arch_config
 from enginecore.model.attention import make_attention_metadata
 from enginecore.model.hf_loader import iterate_weights
+from enginecore.kv_transfer.worker_hooks import ConnectorWorker, layer_name
 from enginecore.model.lora_slots import LoRASlots
 from enginecore.model.llama import LlamaForCausalLM
 from enginecore.model.lora import LoRABatch, LoRAError, LoRAWeights, load_lora
@@ -80,6 +81,8 @@ class ModelRunner:
         self.loras: LoRASlots[LoRAWeights] = LoRASlots(lc.max_loras)
         # Every adapter ever added, so an evicted one can be loaded again on use.
         self.lora_requests: dict[int, LoRARequest] = {}
+        # KV transfer: the worker-role connector's calls around the forward (None: none).
+        self.kv_connector = ConnectorWorker.maybe_create(config)
         torch.manual_seed(mc.seed)
 
     # -- weights and cache -------------------------------------------------------------------
@@ -114,14 +117,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * self.block_size
-        shape = (slots, a.num_kv_heads, a.head_dim)
+        shape = (2, slots, a.num_kv_heads, a.head_dim)
         self.kv_caches = []
-        for _ in range(a.num_layers):
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty(shape, dtype=self.dtype, device=self.device)
-            k[self.scratch_slot:].zero_()
-            v[self.scratch_slot:].zero_()
-            self.kv_caches.append((k, v))
+        by_layer = {}
+        for i in range(a.num_layers):
+            # K and V of a layer in one tensor (vLLM's layout for a KV connector).
+            kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+            kv[:, self.scratch_slot:].zero_()
+            self.kv_caches.append((kv[0], kv[1]))
+            by_layer[layer_name(i)] = kv.view(2, num_blocks + 1, self.block_size,
+                                              a.num_kv_heads, a.head_dim)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(by_layer)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
@@ -150,7 +157,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        kvc = self.kv_connector
         if so.total_num_scheduled_tokens == 0:
+            if kvc is not None:
+                return ModelRunnerOutput([], {}, [], kv_connector_output=kvc.no_forward(so))
             return EMPTY_MODEL_RUNNER_OUTPUT
         if self.model is None or not self.kv_caches:
             raise RuntimeError("the model runner is asleep (weights or KV cache released)")
@@ -161,7 +171,15 @@ class ModelRunner:
         input_ids, positions, meta, groups, lora_ranges, prompt_rows = self._prepare(so,
                                                                                      computed)
         lora = self._lora_batch(lora_ranges) if lora_ranges else None
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
+        if kvc is None:
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
+        else:  # loads before, saves after each layer's attention
+            kvc.start(so, meta)
+            try:
+                hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora,
+                                            kv_hook=kvc)
+            finally:
+                kv_output = kvc.finish(so)
         req_ids = list(so.num_scheduled_tokens)
         if prompt_rows:
             self._gather_prompt_logprobs(hidden, prompt_rows)
@@ -171,7 +189,8 @@ class ModelRunner:
             sampled, logprobs = self._sample(hidden, groups, req_ids)
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled,
                                  logprobs, prompt_logprobs=self._finished_prompt_logprobs(groups)
-                                 if prompt_rows else None)
+                                 if prompt_rows else None,
+                                 kv_connector_output=None if kvc is None else kv_output)
 
     def _gather_prompt_logprobs(self, hidden: torch.Tensor,
                                 prompt_rows: list[tuple[RequestState, int, list[int]]]) -> None:

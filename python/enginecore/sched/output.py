@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from enginecore.kv_transfer.output import KVConnectorOutput
 from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
 
@@ -57,6 +58,9 @@ class SchedulerOutput:
     # Structured outputs: allowed-token bitmask (int32 words) of each constrained
     # request that samples this step, computed from its grammar state.
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
+    # KV transfer: the scheduler-side connector's metadata for the workers (None
+    # without a connector).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -81,6 +85,9 @@ class ModelRunnerOutput:
     # prompt_logprobs: req_id -> (token_ids rows, logprob rows, ranks) of the whole
     # prompt, given in the step that samples the request's first token.
     prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] | None = None
+    # KV transfer: the worker-side connector's report of this step (finished sends /
+    # receives, load errors, stats); None without a connector.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])

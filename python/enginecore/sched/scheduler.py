@@ -14,6 +14,9 @@ import logging
 from collections.abc import Iterable
 
 from enginecore.config import EngineConfig
+from enginecore.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
+from enginecore.kv_transfer.factory import KVConnectorFactory
+from enginecore.kv_transfer.sched_hooks import WAITING_FOR_REMOTE_KVS, ConnectorScheduling
 from enginecore.protocol import (
     EngineCoreOutput,
     FinishReason,
@@ -109,6 +112,18 @@ class Scheduler(SchedulerUpdate):
         self.probe: set[str] | None = None
         # log_stats: QUEUED / SCHEDULED / PREEMPTED events for the front-end's metrics.
         self.events = RequestEvents(self.owe_output) if log_stats else None
+        # KV transfer (vLLM's kv_transfer_config): the scheduler-role connector and
+        # its bookkeeping (kv_transfer/sched_hooks.py); None without one.
+        self.connector: KVConnectorBase_V1 | None = None
+        self.kv_hooks: ConnectorScheduling | None = None
+        kvc = getattr(config, "kv_transfer_config", None)
+        if kvc is not None and kvc.is_kv_transfer_instance:
+            self.connector = KVConnectorFactory.create_connector(config,
+                                                                 KVConnectorRole.SCHEDULER)
+            self.kv_hooks = ConnectorScheduling(self.connector, self.block_size)
+
+    def get_kv_connector(self) -> KVConnectorBase_V1 | None:
+        return self.connector
 
     # -- requests in ---------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -157,23 +172,42 @@ class Scheduler(SchedulerUpdate):
         finish_reason = RequestStatus.finish_reason(status)
         for request in finished.values():
             request.status = status
+            params = self._connector_finished(request)
             self._free_request(request)
             if not silent:
                 self.owe_output(request.client_index, EngineCoreOutput(
-                    request.request_id, [], finish_reason=finish_reason, stop_reason=reason))
+                    request.request_id, [], finish_reason=finish_reason, stop_reason=reason,
+                    kv_transfer_params=params))
         return list(finished.values())
 
     def owe_output(self, client_index: int, output: EngineCoreOutput) -> None:
         self.pending_outputs.setdefault(client_index, []).append(output)
 
     def _free_request(self, request: Request) -> None:
+        self.finished_req_ids.add(request.request_id)
+        if self.events is not None:
+            self.events.forget(request.request_id)
+        hooks = self.kv_hooks
+        if hooks is not None:
+            self._connector_finished(request)
+            if request.request_id in hooks.delayed_free:
+                return  # its blocks go when the connector reports the send done
+        self._free_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         if self.requests.get(request.request_id) is request:
             del self.requests[request.request_id]
             del self.slot_of[request.request_id]
-        self.finished_req_ids.add(request.request_id)
-        if self.events is not None:
-            self.events.forget(request.request_id)
+        if self.kv_hooks is not None:
+            self.kv_hooks.forget(request.request_id)
+
+    def _connector_finished(self, request: Request) -> dict | None:
+        """The connector's request_finished (once): kv_transfer_params for the client."""
+        if self.kv_hooks is None:
+            return None
+        return self.kv_hooks.request_finished(request,
+                                              self.kv_cache_manager.get_block_ids(request))
 
     # -- state -----------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
@@ -194,6 +228,8 @@ class Scheduler(SchedulerUpdate):
         """Whether a step could make progress now (False while paused-all)."""
         if self.pending_outputs or self.finished_req_ids:
             return True
+        if self.kv_hooks is not None and self.kv_hooks.has_pending():
+            return True  # the workers must be polled for finished transfers
         if self.pause_state == PauseState.PAUSED_ALL:
             return False
         if self.running:
@@ -263,8 +299,24 @@ class Scheduler(SchedulerUpdate):
                 if lid and lid not in active_loras and len(active_loras) >= self.max_loras:
                     skipped.append(waiting.pop_request())  # waits for a free adapter slot
                     continue
-                computed_blocks, num_computed = kv.get_computed_blocks(request)
-                num_new = request.num_tokens - num_computed
+                hooks = self.kv_hooks
+                if (hooks is not None and request.status == WAITING_FOR_REMOTE_KVS
+                        and not hooks.ready_after_recv(request, kv)):
+                    skipped.append(waiting.pop_request())  # its KV is still on the way
+                    continue
+                num_external, load_async = 0, False
+                if request.num_computed_tokens:  # its KV arrived through the connector
+                    computed_blocks, num_computed = [], request.num_computed_tokens
+                else:
+                    computed_blocks, num_computed = kv.get_computed_blocks(request)
+                    if hooks is not None:
+                        num_external, load_async = hooks.match(request, num_computed)
+                        if num_external is None:  # the connector asks to wait
+                            skipped.append(waiting.pop_request())
+                            continue
+                num_local = num_computed
+                num_computed += num_external
+                num_new = 0 if load_async else request.num_tokens - num_computed
                 pooling = request.pooling_params is not None
                 if threshold and num_new > threshold and not pooling:
                     num_new = threshold
@@ -273,9 +325,16 @@ class Scheduler(SchedulerUpdate):
                     if not self.enable_chunked_prefill or pooling:
                         break
                     num_new = token_budget
-                new_blocks = kv.allocate_slots(request, num_new, num_computed, computed_blocks)
+                new_blocks = kv.allocate_slots(request, num_new + num_external, num_local,
+                                               computed_blocks)
                 if new_blocks is None:
                     break
+                if hooks is not None:
+                    hooks.after_alloc(request, kv.get_block_ids(request), len(computed_blocks),
+                                      num_external, load_async, kv)
+                    if load_async:  # waits in WAITING_FOR_REMOTE_KVS, holding its blocks
+                        skipped.append(waiting.pop_request())
+                        continue
                 waiting.pop_request()
                 self.running.append(request)
                 request.status = _RUNNING
@@ -329,6 +388,8 @@ class Scheduler(SchedulerUpdate):
             step_id=self.step_counter,
             grammar_bitmask=grammar_bitmask,
         )
+        if self.kv_hooks is not None:
+            output.kv_connector_metadata = self.kv_hooks.build_meta(output)
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
         if self.track_in_flight:
@@ -413,6 +474,9 @@ class Scheduler(SchedulerUpdate):
             spec_num_drafts=self.spec_num_drafts,
             spec_num_accepted_tokens_per_pos=list(self.spec_num_accepted_per_pos),
             mm_cache_stats=self._mm_cache_stats(),
+            kv_connector_stats=None if self.kv_hooks is None else self.kv_hooks.take_stats(),
+            num_external_computed_tokens=(0 if self.kv_hooks is None
+                                          else self.kv_hooks.num_external_computed_tokens),
         )
 
     def _mm_cache_stats(self) -> PrefixCacheStats | None:

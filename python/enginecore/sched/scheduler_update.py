@@ -32,6 +32,8 @@ class SchedulerUpdate:
     ) -> dict[int, ColumnarOutputs]:
         """Append sampled tokens, apply stop checks, free finished requests and
         build the outputs for each client."""
+        if self.kv_hooks is not None:
+            self._update_from_kv_xfer(model_output)
         requests = self.requests
         sampled = model_output.sampled_token_ids
         index_of = model_output.req_id_to_index
@@ -235,8 +237,69 @@ class SchedulerUpdate:
         out = EngineCoreOutput(
             rid, new_token_ids, new_logprobs, RequestStatus.finish_reason(request.status),
             request.stop_reason, max(request.num_cached_tokens, 0),
-            new_prompt_logprobs=prompt_logprobs)
+            new_prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=self._connector_finished(request))
         self._emit(cols, request, out)
+
+    def _update_from_kv_xfer(self, model_output: ModelRunnerOutput) -> None:
+        """Finished sends free their delayed blocks; finished receives let their
+        requests be admitted (kv_transfer/sched_hooks.py)."""
+        kv_output = model_output.kv_connector_output
+        for rid in self.kv_hooks.update_from_output(kv_output):
+            request = self.requests.get(rid)
+            if request is not None:
+                self._free_blocks(request)
+        if kv_output is not None and kv_output.invalid_block_ids:
+            self._kv_load_failed(kv_output.invalid_block_ids)
+
+    def _kv_load_failed(self, bad_blocks: set[int]) -> None:
+        """Blocks the connector could not load: their requests' step is void. Under
+        kv_load_failure_policy "fail" they end with ERROR; under "recompute" they go
+        back to waiting and compute what they cannot load (the blocks leave the prefix
+        cache first)."""
+        kv = self.kv_cache_manager
+        self._kv_async_load_failed(bad_blocks)
+        hit = [r for r in self.running if bad_blocks.intersection(kv.get_block_ids(r))]
+        if not hit:
+            return
+        if self.kv_hooks.fail_on_load_error:
+            for r in hit:
+                kv.uncache_from(r, 0)
+            self.finish_requests([r.request_id for r in hit], RequestStatus.FINISHED_ERROR,
+                                 "its KV cache could not be loaded by the KV connector "
+                                 "(kv_load_failure_policy 'fail')")
+            return
+        gone = {id(r) for r in hit}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for r in hit:
+            logger.warning("request %s: KV load failed; it is recomputed", r.request_id)
+            kv.uncache_from(r, 0)
+            r.num_cached_tokens = -1
+            self._preempt(r)
+
+    def _kv_async_load_failed(self, bad_blocks: set[int]) -> None:
+        """Requests in WAITING_FOR_REMOTE_KVS whose asynchronous load failed (a P/D
+        producer died, an offload copy failed): "fail" ends them with ERROR; "recompute"
+        starts them over (from their local prefix-cache hits) once the connector
+        reports the load over."""
+        hooks, kv = self.kv_hooks, self.kv_cache_manager
+        hit: dict[str, int] = {}
+        for rid in hooks.waiting_for_remote:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            ids = kv.get_block_ids(request)
+            first_bad = next((i for i, b in enumerate(ids) if b in bad_blocks), None)
+            if first_bad is not None:
+                hit[rid] = first_bad
+        if not hit:
+            return
+        if hooks.fail_on_load_error:
+            self.finish_requests(list(hit), RequestStatus.FINISHED_ERROR,
+                                 "its KV cache could not be loaded by the KV connector "
+                                 "(kv_load_failure_policy 'fail')")
+            return
+        hooks.failed_recv.update(hit)
 
     @staticmethod
     def _emit(cols: dict[int, ColumnarOutputs], request: Request,

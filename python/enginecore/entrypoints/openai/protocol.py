@@ -101,6 +101,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's P/D field: what the KV connector needs (do_remote_decode, do_remote_prefill,
+    # remote_engine_id, remote_block_ids, remote_host, remote_port); enginecore proxy.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # -- requests -------------------------------------------------------------------------
@@ -213,6 +216,8 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None
     object: str = "text_completion"
+    # The KV connector's answer (a P/D producer's params for the decode server).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -255,6 +260,8 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: UsageInfo
     object: str = "chat.completion"
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The KV connector's answer (a P/D producer's params for the decode server).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

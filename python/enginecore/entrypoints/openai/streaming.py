@@ -24,10 +24,12 @@ def sse_event(payload: bytes) -> bytes:
 
 
 class SSEResponse:
-    def __init__(self, body: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]] = ()
-                 ) -> None:
+    def __init__(self, body: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]] = (),
+                 end_with_done: bool = True) -> None:
         self.body = body
         self.headers = [*_START_HEADERS, *headers]
+        # False: the body brings its own ``[DONE]`` (a relayed stream: enginecore proxy).
+        self.final = _DONE if end_with_done else b""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
@@ -46,7 +48,7 @@ class SSEResponse:
                         "headers": self.headers})
             async for chunk in self.body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": _DONE, "more_body": False})
+            await send({"type": "http.response.body", "body": self.final, "more_body": False})
         except asyncio.CancelledError:
             if not gone:
                 raise

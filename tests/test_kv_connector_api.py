@@ -1,0 +1,93 @@
+"""The KV connector API: config validation, factory by name and module path, aggregation."""
+
+import sys
+import types
+
+import pytest
+
+from enginecore.kv_transfer import (KVConnectorBase_V1, KVConnectorFactory, KVConnectorMetadata,
+                                    KVConnectorOutput, KVConnectorRole, KVOutputAggregator,
+                                    KVTransferConfig)
+
+
+class _RecordingConnector(KVConnectorBase_V1):
+    def start_load_kv(self, forward_context, **kwargs):
+        self.loaded = self._get_connector_metadata()
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 16, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+
+def test_config_from_cli_json_and_validation():
+    cfg = KVTransferConfig.from_cli('{"kv_connector": "X", "kv_role": "kv_both", '
+                                    '"kv_connector_extra_config": {"a": 1}}')
+    assert cfg.is_kv_producer and cfg.is_kv_consumer and cfg.kv_load_failure_policy == "recompute"
+    assert cfg.get_from_extra_config("a", 0) == 1 and cfg.engine_id
+    with pytest.raises(ValueError, match="kv_role"):
+        KVTransferConfig.from_cli({"kv_connector": "X", "kv_role": "bogus"})
+    with pytest.raises(ValueError, match="kv_role is required"):
+        KVTransferConfig(kv_connector="X")
+    with pytest.raises(ValueError, match="unknown key"):
+        KVTransferConfig.from_cli({"kv_conector": "X"})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        KVTransferConfig.from_cli("{oops")
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        KVTransferConfig(kv_connector="X", kv_role="kv_consumer", kv_load_failure_policy="x")
+
+
+class _Config:
+    """The part of an EngineConfig a connector reads (vLLM: VllmConfig)."""
+
+    def __init__(self, kv_transfer_config):
+        self.kv_transfer_config = kv_transfer_config
+
+
+def test_factory_by_module_path_and_registered_name():
+    mod = types.ModuleType("kv_plugin_for_test")
+    mod.RecordingConnector = _RecordingConnector
+    sys.modules["kv_plugin_for_test"] = mod
+    cfg = KVTransferConfig(kv_connector="RecordingConnector", kv_role="kv_both",
+                           kv_connector_module_path="kv_plugin_for_test")
+    worker = KVConnectorFactory.create_connector(_Config(cfg), KVConnectorRole.WORKER)
+    assert isinstance(worker, _RecordingConnector) and worker.role is KVConnectorRole.WORKER
+    meta = KVConnectorMetadata()
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    assert worker.loaded is meta
+    worker.clear_connector_metadata()
+    assert worker.get_finished(set()) == (None, None)
+    assert worker.request_finished(None, [1]) == (False, None)
+    KVConnectorFactory.register_connector("RecordingForTest", "kv_plugin_for_test",
+                                          "RecordingConnector")
+    sched = KVConnectorFactory.create_connector(
+        _Config(KVTransferConfig(kv_connector="RecordingForTest", kv_role="kv_producer")),
+        KVConnectorRole.SCHEDULER)
+    assert sched.get_num_new_matched_tokens(None, 0) == (16, False)
+    with pytest.raises(ValueError, match="unknown KV connector"):
+        KVConnectorFactory.create_connector(
+            _Config(KVTransferConfig(kv_connector="Nope", kv_role="kv_both")),
+            KVConnectorRole.WORKER)
+
+
+def test_aggregator_reports_only_when_every_worker_finished():
+    agg = KVOutputAggregator(expected_finished_count=2)
+    first = agg.aggregate([KVConnectorOutput(finished_sending={"a"}, finished_recving={"b"})])
+    assert first.finished_sending is None and first.finished_recving is None
+    second = agg.aggregate([KVConnectorOutput(finished_sending={"a"}),
+                            KVConnectorOutput(finished_recving={"b"})])
+    assert second.finished_sending == {"a"} and second.finished_recving == {"b"}
