@@ -9,7 +9,7 @@ import json
 import pytest
 
 from enginecore.reasoning import ReasoningParserManager
-from enginecore.reasoning.abs_reasoning_parsers import resolve_reasoning_parser
+from enginecore.reasoning.resolve import resolve_reasoning_parser
 from enginecore.reasoning.streaming import ReasoningStream
 from enginecore.reasoning.structured import after_reasoning
 from enginecore.sampling_params import SamplingParams, StructuredOutputsParams

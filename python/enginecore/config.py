@@ -12,6 +12,7 @@ from enginecore import config_cli
 from enginecore.config_aliases import to_field_values
 from enginecore.kv_transfer.kv_transfer_config import KVTransferConfig
 from enginecore.model_config import SYNTHETIC_MODEL, ModelConfig
+from enginecore.multimodal.inputs import MM_DEFAULT_LIMIT_PER_PROMPT
 from enginecore.paths import default_cache_dir
 from enginecore.sched.block_hash import HASH_ALGOS
 from enginecore.sched.request_queue import SchedulingPolicy
@@ -152,7 +153,6 @@ class MultiModalConfig:
     mm_processor_cache_gb: float = 4.0
 
 
-MM_DEFAULT_LIMIT_PER_PROMPT = 999
 
 
 @dataclass

@@ -16,6 +16,9 @@ import msgspec
 
 from enginecore.bounds import NonNegInt64, PositiveInt64
 
+# Items per prompt by modality when limit_mm_per_prompt does not name the modality.
+MM_DEFAULT_LIMIT_PER_PROMPT = 999
+
 if TYPE_CHECKING:
     import torch
 

@@ -18,8 +18,8 @@ import json
 import os
 from typing import Any
 
-from enginecore.config import MM_DEFAULT_LIMIT_PER_PROMPT
 from enginecore.multimodal.inputs import (
+    MM_DEFAULT_LIMIT_PER_PROMPT,
     MultiModalFeatureSpec,
     MultiModalTensor,
     PlaceholderRange,

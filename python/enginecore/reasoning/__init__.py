@@ -11,6 +11,8 @@ from enginecore.reasoning.think_parsers import (
     Qwen3ReasoningParser,
     ThinkTagReasoningParser,
 )
+from enginecore.reasoning.resolve import resolve_reasoning_parser
 
 __all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser",
-           "ReasoningParserManager", "ReasoningSplit", "ThinkTagReasoningParser"]
+           "ReasoningParserManager", "ReasoningSplit", "ThinkTagReasoningParser",
+           "resolve_reasoning_parser"]

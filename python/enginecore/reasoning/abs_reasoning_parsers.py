@@ -15,7 +15,6 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -104,15 +103,3 @@ class ReasoningParserManager:
             spec.loader.exec_module(mod)
         else:
             importlib.import_module(plugin)
-
-
-def resolve_reasoning_parser(name: str | None,
-                             plugin: str | None = None) -> Callable[..., ReasoningParser] | None:
-    """``--reasoning-parser`` (+ ``--reasoning-parser-plugin``) -> the parser class."""
-    if plugin:
-        ReasoningParserManager.import_reasoning_parser(plugin)
-    if not name:
-        return None
-    import enginecore.reasoning.think_parsers  # noqa: F401 - registers the built-ins
-
-    return ReasoningParserManager.get_reasoning_parser(name)

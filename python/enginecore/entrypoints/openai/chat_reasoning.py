@@ -7,11 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from enginecore.reasoning.abs_reasoning_parsers import (
-    ReasoningParser,
-    ReasoningParserManager,
-    resolve_reasoning_parser,
-)
+from enginecore.reasoning.abs_reasoning_parsers import ReasoningParser, ReasoningParserManager
+from enginecore.reasoning.resolve import resolve_reasoning_parser
 from enginecore.reasoning.streaming import ReasoningStream
 from enginecore.reasoning.structured import after_reasoning
 from enginecore.sampling_params import SamplingParams
