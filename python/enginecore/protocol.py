@@ -202,6 +202,9 @@ class IterationDetails(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     num_decode_tokens: int = 0
     num_preempted: int = 0
     elapsed_ms: float = 0.0
+    # Multimodal: items encoded this step and their embedding tokens.
+    num_encoder_inputs: int = 0
+    num_encoder_output_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -219,6 +222,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     spec_num_drafts: int = 0
     # accepted drafts by position in the draft (cumulative)
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # Multimodal: the encoder cache's fill (fraction of encoder_cache_size) and
+    # its lookups since the last stats (queries: items looked up, hits: found).
+    encoder_cache_usage: float = 0.0
+    encoder_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
 
 
 class EngineCoreOutputs(

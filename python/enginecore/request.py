@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Any
 
+from enginecore.multimodal.inputs import MultiModalFeatureSpec
 from enginecore.protocol import EngineCoreRequest, FinishReason, LoRARequest, PoolingParams
 from enginecore.sampling_params import SamplingParams
 from enginecore.sched.block_hash import ExtraKey, check_algo, encode_extra_keys
@@ -72,6 +73,7 @@ class Request:
         "ignore_eos",
         "current_wave",
         "pooling_params",
+        "mm_features",
         "_grammar",
         "grammar_error",
         "table",
@@ -96,6 +98,7 @@ class Request:
         current_wave: int = 0,
         pooling_params: PoolingParams | None = None,
         table: Any = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> None:
         self.table = None
         self.request_id = request_id
@@ -111,6 +114,9 @@ class Request:
         self.num_preemptions = 0
         self.current_wave = current_wave
         self.pooling_params = pooling_params
+        # Images (vLLM's MultiModalFeatureSpec), in placeholder order; None: text only.
+        self.mm_features = (sorted(mm_features, key=lambda f: f.mm_position.offset)
+                            if mm_features else None)
         # llguidance matcher for structured outputs (set by EngineCore.preprocess_add_request).
         self._grammar = None
         self.grammar_error: str | None = None
@@ -129,6 +135,10 @@ class Request:
             keys.append(lora_request.lora_int_id)
         if cache_salt is not None:
             keys.append(cache_salt)
+        if self.mm_features:
+            # Two prompts with the same placeholder tokens but other images must
+            # not share blocks: the items' identifiers key every block.
+            keys.extend(f.identifier for f in self.mm_features)
         if table is None:
             table = request_table_class()(None, block_size)
         elif table.block_size != block_size:
@@ -189,6 +199,7 @@ class Request:
             current_wave=req.current_wave,
             pooling_params=req.pooling_params,
             table=table,
+            mm_features=req.mm_features,
         )
 
     # -- the row's fields ------------------------------------------------------------

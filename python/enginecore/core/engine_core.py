@@ -24,6 +24,7 @@ from enginecore.core.fault_isolation import FaultIsolation
 from enginecore.core.stat_logger import StatLogger
 from enginecore.executor.abstract import Executor, KVCacheConfig
 from enginecore.executor.factory import get_executor_class
+from enginecore.model.mm_registry import is_multimodal_architecture
 from enginecore.protocol import (
     EngineCoreRequest,
     LoRARequest,
@@ -33,6 +34,7 @@ from enginecore.protocol import (
 )
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.columnar_outputs import ColumnarOutputs
+from enginecore.sched.encoder_scheduling import encoder_fit_error
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 from enginecore.sched.scheduler import PauseState, Scheduler
 from enginecore.sched.structured_output import StructuredOutputError, StructuredOutputManager
@@ -212,6 +214,13 @@ class EngineCore:
         task = "embed" if request.pooling_params is not None else "generate"
         if task not in self._tasks:
             return f"this model does not support the {task!r} task; it supports {self._tasks}"
+        if isinstance(request, Request) and request.mm_features:
+            sched = self.scheduler
+            reason = encoder_fit_error(request, is_multimodal_architecture(
+                self.config.model_config.architecture), sched.max_num_encoder_input_tokens,
+                sched.encoder_cache_manager.cache_size)
+            if reason is not None:
+                return reason
         if task == "embed" and n > self._max_batched:
             return (f"a pooling prompt must run in one step: {n} tokens > "
                     f"max_num_batched_tokens {self._max_batched}")
@@ -502,10 +511,9 @@ class EngineCore:
         return False
 
     def reset_encoder_cache(self) -> bool:
-        """No encoder cache in the supported models: nothing to reset."""
-        logger.info("reset_encoder_cache: %s has no encoder cache; nothing to reset",
-                    self.config.model_config.model)
-        return False
+        """Forget every cached encoder output (vision embeddings); refused (False)
+        while a live request still needs one."""
+        return self.scheduler.reset_encoder_cache()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from enginecore.multimodal.inputs import MultiModalFeatureSpec
 from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
 
@@ -25,6 +26,8 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     eos_token_id: int | None = None
+    # Images and their placeholders (multimodal/inputs.py), in prompt order.
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +60,11 @@ class SchedulerOutput:
     # Structured outputs: allowed-token bitmask (int32 words) of each constrained
     # request that samples this step, computed from its grammar state.
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
+    # Multimodal (vLLM's names): request id -> indices of its mm_features the
+    # runner encodes this step (then keeps by identifier); identifiers the
+    # encoder cache evicted, for the runner to drop.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
