@@ -78,7 +78,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             elif name.startswith("multi_modal_projector."):
                 self.vw["proj." + name[len("multi_modal_projector."):]] = t.to(
                     device=self.device, dtype=self.dtype)
-            elif name.startswith("language_model.lm_head.") or name.startswith("language_model.model."):
+            elif name.startswith(("language_model.lm_head.", "language_model.model.")):
                 yield name[len("language_model."):], t
             elif name.startswith("language_model."):
                 yield "model." + name[len("language_model."):], t
