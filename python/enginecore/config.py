@@ -48,6 +48,13 @@ class SchedulerConfig:
     # Lockstep data parallel: new prefills are admitted only on steps that are a
     # multiple of this (1 = every step), so ranks prefill together.
     prefill_schedule_interval: int = 1
+    # Multimodal (vLLM's names): encoder tokens (placeholder tokens of the items
+    # encoded) one step may compute, and the encoder cache's size in such tokens;
+    # None: max_num_batched_tokens. Raised to the largest item a request brings.
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
+    # A prefill chunk never ends inside a placeholder range it starts before.
+    disable_chunked_mm_input: bool = False
 
 
 @dataclass
@@ -249,6 +256,15 @@ class EngineArgs:
         "decodes keep running beside them")
     long_prefill_token_threshold: int = arg(
         0, G_SCHED, "cap one request's prefill chunk at this many tokens (0: no cap)")
+    max_num_encoder_input_tokens: int | None = arg(
+        None, G_SCHED, "multimodal: encoder input tokens (image placeholder tokens) one step "
+        "may encode (default: max_num_batched_tokens)", parse="human_int")
+    encoder_cache_size: int | None = arg(
+        None, G_SCHED, "multimodal: the encoder cache's size in embedding tokens (default: "
+        "max_num_batched_tokens)", parse="human_int")
+    disable_chunked_mm_input: bool = arg(
+        False, G_SCHED, "multimodal: a prefill chunk never ends inside an image's placeholder "
+        "tokens it started before")
     scheduling_policy: str = arg(
         "fcfs", G_SCHED, "fcfs (arrival order) or priority (the request's priority, then "
         "arrival)", choices=tuple(p.value for p in SchedulingPolicy))
@@ -425,6 +441,9 @@ class EngineArgs:
                 scheduling_policy=SchedulingPolicy(self.scheduling_policy),
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 prefill_schedule_interval=self.prefill_schedule_interval,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                encoder_cache_size=self.encoder_cache_size,
+                disable_chunked_mm_input=self.disable_chunked_mm_input,
             ),
             parallel_config=ParallelConfig(
                 data_parallel_size=self.data_parallel_size,
@@ -529,6 +548,9 @@ class EngineArgs:
                              "coordinator, which front-ends with external LB do not start")
         if self.prefill_schedule_interval < 1:
             raise bad("prefill_schedule_interval", ">= 1")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise bad(name, ">= 1")
         if self.executor_backend not in (None, *get_args(ExecutorBackend)):
             raise bad("executor_backend", f"one of {get_args(ExecutorBackend)}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

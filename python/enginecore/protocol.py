@@ -211,6 +211,9 @@ class IterationDetails(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     num_decode_tokens: int = 0
     num_preempted: int = 0
     elapsed_ms: float = 0.0
+    # Multimodal: items encoded this step and their embedding tokens.
+    num_encoder_inputs: int = 0
+    num_encoder_output_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -235,6 +238,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     # tokens loaded through the connector (cumulative); None / 0 without a connector.
     kv_connector_stats: dict[str, Any] | None = None
     num_external_computed_tokens: int = 0
+    # Multimodal: the encoder cache's fill (fraction of encoder_cache_size) and
+    # its lookups since the last stats (queries: items looked up, hits: found).
+    encoder_cache_usage: float = 0.0
+    encoder_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
 
 
 class EngineCoreOutputs(

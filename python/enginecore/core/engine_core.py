@@ -31,6 +31,7 @@ from enginecore.executor.abstract import Executor, KVCacheConfig
 from enginecore.executor.factory import get_executor_class
 from enginecore.multimodal.cache import engine_receiver_cache_from_config
 from enginecore.multimodal.inputs import check_mm_features
+from enginecore.model.mm_registry import is_multimodal_architecture
 from enginecore.protocol import (
     EngineCoreRequest,
     decode_request,
@@ -38,6 +39,7 @@ from enginecore.protocol import (
 )
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.columnar_outputs import ColumnarOutputs
+from enginecore.sched.encoder_scheduling import encoder_fit_error
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 from enginecore.sched.scheduler import Scheduler
 from enginecore.sched.structured_output import StructuredOutputError, StructuredOutputManager
@@ -228,6 +230,13 @@ class EngineCore(EngineCoreUtilities):
         task = "embed" if request.pooling_params is not None else "generate"
         if task not in self._tasks:
             return f"this model does not support the {task!r} task; it supports {self._tasks}"
+        if isinstance(request, Request) and request.mm_features:
+            sched = self.scheduler
+            reason = encoder_fit_error(request, is_multimodal_architecture(
+                self.config.model_config.architecture), sched.max_num_encoder_input_tokens,
+                sched.encoder_cache_manager.cache_size)
+            if reason is not None:
+                return reason
         if task == "embed" and n > self._max_batched:
             return (f"a pooling prompt must run in one step: {n} tokens > "
                     f"max_num_batched_tokens {self._max_batched}")

@@ -128,10 +128,9 @@ class EngineCoreUtilities:
         return True
 
     def reset_encoder_cache(self) -> bool:
-        """No encoder cache in the supported models: nothing to reset."""
-        logger.info("reset_encoder_cache: %s has no encoder cache; nothing to reset",
-                    self.config.model_config.model)
-        return False
+        """Forget every cached encoder output (vision embeddings); refused (False)
+        while a live request still needs one."""
+        return self.scheduler.reset_encoder_cache()
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -92,6 +92,12 @@ class _Families:
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.encoder_usage = gauge("encoder_cache_usage_perc",
+                                   "Fraction of the encoder cache holding image embeddings (0-1).")
+        self.encoder_queries = counter("encoder_cache_queries",
+                                       "Multimodal items looked up in the encoder cache.")
+        self.encoder_hits = counter("encoder_cache_hits",
+                                    "Multimodal items found in the encoder cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted by the engine.")
         self.spec_drafts = counter("spec_decode_num_draft_tokens",
                                    "Speculative tokens proposed.")
@@ -176,12 +182,19 @@ class FrontendMetrics:
             f.prefix_queries.labels(*labels).inc(pc.queries)
         if pc.hits:
             f.prefix_hits.labels(*labels).inc(pc.hits)
+        f.encoder_usage.labels(*labels).set(s.encoder_cache_usage)
+        ec = s.encoder_cache_stats
+        if ec.queries:
+            f.encoder_queries.labels(*labels).inc(ec.queries)
+        if ec.hits:
+            f.encoder_hits.labels(*labels).inc(ec.hits)
         totals = (s.num_preempted_total, s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
                   s.spec_num_drafts)
         last = self._last_totals.get(engine_index)
         if last is None:  # an engine's first stats: its counters exist from now on, at 0
             last = (0, 0, 0, 0)
-            for counter in (f.prefix_queries, f.prefix_hits, f.preemptions):
+            for counter in (f.prefix_queries, f.prefix_hits, f.preemptions, f.encoder_queries,
+                            f.encoder_hits):
                 counter.labels(*labels)
             if self.spec_decode:
                 for counter in (f.spec_drafts, f.spec_accepted, f.spec_num_drafts):

@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from enginecore.model.mm_registry import unsupported_multimodal_error
+
 # HF architecture name -> family (the keys of _FAMILY_DEFAULTS).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -149,12 +151,16 @@ def load_arch_config(model_dir: str) -> LlamaArchConfig:
 
 
 def supported_architectures_text() -> str:
-    return ", ".join(SUPPORTED_ARCHITECTURES)
+    return ", ".join([*SUPPORTED_ARCHITECTURES, "LlavaForConditionalGeneration"])
 
 
 def arch_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> LlamaArchConfig:
     archs = cfg.get("architectures") or []
+    if "LlavaForConditionalGeneration" in archs:
+        return _llava_arch_config(cfg, source)
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and "vision_config" in cfg:
+        raise unsupported_multimodal_error(str(archs or cfg.get("model_type")))
     if arch is None:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r} in {source}; "
@@ -224,6 +230,26 @@ def arch_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Lla
         a.attn_scale = float(get("query_pre_attn_scalar")) ** -0.5
         a.attn_logit_softcap = get("attn_logit_softcapping")
         a.final_logit_softcap = get("final_logit_softcapping")
+    return a
+
+
+# LLaVA's text_config.model_type -> the decoder architecture that runs it
+_LLAVA_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                   "qwen2": "Qwen2ForCausalLM"}
+
+
+def _llava_arch_config(cfg: dict[str, Any], source: str) -> LlamaArchConfig:
+    """LLaVA: the decoder of its text_config (a Llama-family LM); model/llava.py
+    reads the vision tower and projector."""
+    text = dict(cfg.get("text_config") or {"model_type": "llama"})
+    decoder = _LLAVA_DECODERS.get(text.get("model_type", "llama"))
+    if decoder is None:
+        raise ValueError(f"LlavaForConditionalGeneration with a {text.get('model_type')!r} "
+                         f"language model in {source}; supported: {sorted(_LLAVA_DECODERS)}")
+    text["architectures"] = [decoder]
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    a = arch_config_from_hf(text, source)
+    a.architecture = "LlavaForConditionalGeneration"
     return a
 
 

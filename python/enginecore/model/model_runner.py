@@ -3,6 +3,7 @@ flattened forward pass over the paged KV cache, and samples."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 
@@ -18,6 +19,9 @@ from enginecore.model.lora_slots import LoRASlots
 from enginecore.model.llama import LlamaForCausalLM
 from enginecore.model.lora import LoRABatch, LoRAError, LoRAWeights, load_lora
 from enginecore.protocol import LoRARequest
+from enginecore.model.mm_registry import MULTIMODAL_ARCHITECTURES, is_multimodal_architecture
+from enginecore.model.mm_runner import MultiModalRunner
+from enginecore.model.multimodal_interface import supports_multimodal
 from enginecore.model.ngram_proposer import NgramProposer
 from enginecore.model.sampler import Sampler, SamplerOutput, SamplingRow, greedy_argmax, plain_greedy
 from enginecore.sampling_params import SamplingParams
@@ -33,10 +37,11 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 class RequestState:
     __slots__ = ("req_id", "token_ids", "num_prompt", "params", "block_ids", "lora_id",
-                 "eos_token_id", "prompt_lp")
+                 "eos_token_id", "prompt_lp", "mm_features")
 
     def __init__(self, req_id, token_ids, num_prompt, params, block_ids, lora_id=0,
-                 eos_token_id=None) -> None:
+                 eos_token_id=None, mm_features=None) -> None:
+        self.mm_features = mm_features  # images and their placeholders, prompt order
         self.req_id = req_id
         self.token_ids: list[int] = token_ids
         self.num_prompt: int = num_prompt
@@ -70,6 +75,7 @@ class ModelRunner:
         self.scratch_slot = 0
         self.scratch_block = 0
         self.requests: dict[str, RequestState] = {}
+        self.mm: MultiModalRunner | None = None  # vision-language models only
         self.max_model_len = config.scheduler_config.max_model_len
         spec = config.speculative_config
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -88,15 +94,16 @@ class ModelRunner:
     # -- weights and cache -------------------------------------------------------------------
     def load_model(self) -> None:
         t0 = time.perf_counter()
-        if self.arch.family == "qwen2_vl":
-            from enginecore.model.qwen2_vl import Qwen2VLForConditionalGeneration
-
-            model = Qwen2VLForConditionalGeneration.from_model_dir(self.arch, self.model_path,
-                                                                   self.dtype, self.device)
+        if is_multimodal_architecture(self.arch.architecture):
+            module, name = MULTIMODAL_ARCHITECTURES[self.arch.architecture]
+            model_class = getattr(importlib.import_module(module), name)
+            model = model_class.from_model_dir(self.arch, self.model_path, self.dtype,
+                                               self.device)
         else:
             model = LlamaForCausalLM(self.arch, self.dtype, self.device)
         model.load_weights(iterate_weights(self.model_path))
         self.model = model
+        self.mm = MultiModalRunner(model, self.device) if supports_multimodal(model) else None
         logger.info("loaded %s (%s, %d layers, %.1f MiB, %s on %s) in %.2f s",
                     self.arch.architecture, self.model_path, self.arch.num_layers,
                     model.weight_bytes() / 2**20, self.dtype, self.device,
@@ -136,10 +143,15 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         reqs = self.requests
+        mm = self.mm
         for rid in so.finished_req_ids:
             reqs.pop(rid, None)
+            if mm is not None:
+                mm.remove_request(rid)
         for rid in so.preempted_req_ids:
             reqs.pop(rid, None)
+            if mm is not None:
+                mm.remove_request(rid)
         for new in so.scheduled_new_reqs:
             lora_id = 0
             if new.lora_request is not None:
@@ -148,7 +160,12 @@ class ModelRunner:
             eos = new.eos_token_id if new.eos_token_id is not None else self.eos_token_id
             reqs[new.req_id] = RequestState(new.req_id, list(new.token_ids),
                                             new.num_prompt_tokens, new.sampling_params,
-                                            list(new.block_ids), lora_id, eos)
+                                            list(new.block_ids), lora_id, eos,
+                                            new.mm_features)
+            if new.mm_features:
+                if mm is None:
+                    raise ValueError(f"{self.arch.architecture} takes no multimodal inputs")
+                mm.add_request(new.req_id, new.num_prompt_tokens, new.mm_features)
         cached = so.scheduled_cached_reqs
         for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
             if blocks:
@@ -171,13 +188,20 @@ class ModelRunner:
         input_ids, positions, meta, groups, lora_ranges, prompt_rows = self._prepare(so,
                                                                                      computed)
         lora = self._lora_batch(lora_ranges) if lora_ranges else None
+        embeds = None
+        if self.mm is not None:  # images: encode what is due, merge, M-RoPE positions
+            self.mm.execute_encoders(so, self.requests)
+            embeds, mrope_positions = self.mm.step_inputs(so, computed, self.requests, input_ids)
+            if mrope_positions is not None:
+                positions = mrope_positions
         if kvc is None:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora,
+                                        inputs_embeds=embeds)
         else:  # loads before, saves after each layer's attention
             kvc.start(so, meta)
             try:
                 hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora,
-                                            kv_hook=kvc)
+                                            inputs_embeds=embeds, kv_hook=kvc)
             finally:
                 kv_output = kvc.finish(so)
         req_ids = list(so.num_scheduled_tokens)

@@ -24,8 +24,12 @@ import torch
 
 from enginecore.model.arch_config import LlamaArchConfig
 from enginecore.model.llama import LlamaForCausalLM
-from enginecore.model.mrope import (MRotaryStep, mrope_column_rows, mrope_input_positions,
-                                    positions_with_delta)
+from enginecore.model.mrope import (
+    MRotaryStep,
+    mrope_column_rows,
+    mrope_input_positions,
+    positions_with_delta,
+)
 from enginecore.model.qwen2_vl_vision import Qwen2VisionConfig, Qwen2VisionEncoder
 from enginecore.model.rope import RotaryStep
 
@@ -95,6 +99,7 @@ def _split_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
 
 
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
+    supports_multimodal = True
     uses_mrope = True
 
     def __init__(self, cfg: LlamaArchConfig, mm: Qwen2VLConfig, dtype: torch.dtype,
@@ -140,6 +145,18 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         if grids and not isinstance(grids[0], list):  # one image's (t, h, w)
             grids = [grids]
         return self.visual.forward(pixel_values, grids)
+
+    def get_placeholder_token_id(self, modality: str) -> int:
+        if modality != "image":
+            raise ValueError(f"{ARCHITECTURE} here takes images, not {modality!r}")
+        return self.mm.image_token_id
+
+    def get_multimodal_embeddings(self, modality: str, pixel_values: torch.Tensor,
+                                  image_grid_thw: torch.Tensor, **_: torch.Tensor
+                                  ) -> list[torch.Tensor]:
+        """The model runner's entry (SupportsMultiModal): one item per call or a batch."""
+        self.get_placeholder_token_id(modality)
+        return self.embed_multimodal(pixel_values, image_grid_thw.reshape(-1, 3))
 
     def embed_input_ids(self, input_ids: torch.Tensor,
                         multimodal_embeddings: torch.Tensor | None = None,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enginecore.kv_transfer.output import KVConnectorOutput
+from enginecore.multimodal.inputs import MultiModalFeatureSpec
 from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
 
@@ -26,6 +27,8 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     eos_token_id: int | None = None
+    # Images and their placeholders (multimodal/inputs.py), in prompt order.
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +64,11 @@ class SchedulerOutput:
     # KV transfer: the scheduler-side connector's metadata for the workers (None
     # without a connector).
     kv_connector_metadata: Any = None
+    # Multimodal (vLLM's names): request id -> indices of its mm_features the
+    # runner encodes this step (then keeps by identifier); identifiers the
+    # encoder cache evicted, for the runner to drop.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

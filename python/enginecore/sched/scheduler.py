@@ -25,6 +25,8 @@ from enginecore.protocol import (
     SchedulerStats,
 )
 from enginecore.request import Request, RequestStatus
+from enginecore.sched.encoder_cache_manager import EncoderCacheManager
+from enginecore.sched.encoder_scheduling import EncoderStep, schedule_encoder_inputs, trim_running
 from enginecore.sched.kv_cache_manager import KVCacheManager
 from enginecore.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from enginecore.sched.request_events import RequestEvents
@@ -78,6 +80,13 @@ class Scheduler(SchedulerUpdate):
             self.max_model_len,
             enable_caching=config.cache_config.enable_prefix_caching,
         )
+        # Multimodal: the encoder's compute budget per step and its cache (vLLM's
+        # max_num_encoder_input_tokens / encoder_cache_size, in embedding tokens).
+        self.max_num_encoder_input_tokens = (sc.max_num_encoder_input_tokens
+                                             or sc.max_num_batched_tokens)
+        self.disable_chunked_mm_input = sc.disable_chunked_mm_input
+        self.encoder_cache_manager = EncoderCacheManager(sc.encoder_cache_size
+                                                         or sc.max_num_batched_tokens)
         # The request rows (tokens, counts, block tables) the loops work on.
         self.request_table = self.kv_cache_manager.request_table
         self.requests: dict[str, Request] = {}
@@ -196,6 +205,8 @@ class Scheduler(SchedulerUpdate):
 
     def _free_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache_manager.free(request.request_id)
         if self.requests.get(request.request_id) is request:
             del self.requests[request.request_id]
             del self.slot_of[request.request_id]
@@ -271,6 +282,8 @@ class Scheduler(SchedulerUpdate):
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
         pause = self.pause_state
+        encoder = EncoderStep(self.max_num_encoder_input_tokens)
+        ec = self.encoder_cache_manager
 
         if pause != PauseState.PAUSED_ALL:
             # The whole running loop: native (csrc/scheduler_loops.cpp) or its twin.
@@ -282,6 +295,10 @@ class Scheduler(SchedulerUpdate):
              spec_tokens, preempted, cached_ids, cached_computed, any_grammar) = rs
             for victim in preempted:
                 self._preempted(victim)
+            # Images: chunks that reach an item encode it or stop before it.
+            token_budget += trim_running(scheduled_running, num_scheduled_tokens,
+                                         cached_computed, encoder, ec,
+                                         self.disable_chunked_mm_input)
         else:
             cached_ids, cached_computed, any_grammar = [], [], False
 
@@ -325,6 +342,11 @@ class Scheduler(SchedulerUpdate):
                     if not self.enable_chunked_prefill or pooling:
                         break
                     num_new = token_budget
+                if request.mm_features and not load_async:
+                    num_new = schedule_encoder_inputs(request, num_computed, num_new, encoder,
+                                                      ec, self.disable_chunked_mm_input)
+                    if num_new == 0:
+                        break  # its next item waits for encoder budget or cache room
                 new_blocks = kv.allocate_slots(request, num_new + num_external, num_local,
                                                computed_blocks)
                 if new_blocks is None:
@@ -362,6 +384,7 @@ class Scheduler(SchedulerUpdate):
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=r.lora_request,
                 eos_token_id=r.eos_token_id,
+                mm_features=r.mm_features,
             )
             for r in scheduled_new
         ]
@@ -387,6 +410,8 @@ class Scheduler(SchedulerUpdate):
             preempted_req_ids=self.preempted_req_ids,
             step_id=self.step_counter,
             grammar_bitmask=grammar_bitmask,
+            scheduled_encoder_inputs=encoder.inputs,
+            free_encoder_mm_hashes=ec.get_freed_mm_hashes(),
         )
         if self.kv_hooks is not None:
             output.kv_connector_metadata = self.kv_hooks.build_meta(output)
@@ -396,6 +421,8 @@ class Scheduler(SchedulerUpdate):
             in_flight.update(num_scheduled_tokens)
         if self.log_iteration_details:
             self.last_iteration = self._iteration_details(output, scheduled_new, len(preempted))
+            self.last_iteration.num_encoder_inputs = sum(map(len, encoder.inputs.values()))
+            self.last_iteration.num_encoder_output_tokens = encoder.num_encoder_output_tokens
         return output
 
     def _grammar_bitmasks(self, running, new) -> dict:
@@ -429,6 +456,16 @@ class Scheduler(SchedulerUpdate):
         """Back to waiting (front), to be recomputed; not in ``running`` any more."""
         self._preempt(request)
 
+    def reset_encoder_cache(self) -> bool:
+        """Forget every encoder output (the runner drops them with the next step);
+        refused (False) while a live request still needs one."""
+        ec = self.encoder_cache_manager
+        ok = ec.reset()
+        if not ok:
+            logger.warning("encoder cache not reset: %d entries are still needed by live "
+                           "requests", ec.num_referenced)
+        return ok
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = _PREEMPTED
@@ -438,6 +475,8 @@ class Scheduler(SchedulerUpdate):
 
     def _preempted(self, request: Request) -> None:
         """The scheduler's part of a preemption whose row is already reset."""
+        if request.mm_features:  # its encoder outputs stay cached, now freeable
+            self.encoder_cache_manager.free(request.request_id)
         request.num_preemptions += 1
         self.preempted_req_ids.add(request.request_id)
         self.num_preempted_total += 1
@@ -461,6 +500,7 @@ class Scheduler(SchedulerUpdate):
         return details
 
     def make_stats(self) -> SchedulerStats:
+        encoder_queries, encoder_hits = self.encoder_cache_manager.make_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -477,6 +517,8 @@ class Scheduler(SchedulerUpdate):
             kv_connector_stats=None if self.kv_hooks is None else self.kv_hooks.take_stats(),
             num_external_computed_tokens=(0 if self.kv_hooks is None
                                           else self.kv_hooks.num_external_computed_tokens),
+            encoder_cache_usage=self.encoder_cache_manager.usage,
+            encoder_cache_stats=PrefixCacheStats(queries=encoder_queries, hits=encoder_hits),
         )
 
     def _mm_cache_stats(self) -> PrefixCacheStats | None:

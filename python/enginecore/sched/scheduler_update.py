@@ -15,6 +15,7 @@ from typing import Any
 from enginecore.protocol import EngineCoreOutput, FinishReason, Logprobs
 from enginecore.request import Request, RequestStatus
 from enginecore.sched.columnar_outputs import ColumnarOutputs
+from enginecore.sched.encoder_scheduling import free_computed_encoder_inputs
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 from enginecore.sched.request_table import NOT_STOPPED, STOP_TOKEN
 
@@ -118,6 +119,13 @@ class SchedulerUpdate:
                 last_client = -1
         if failed:
             self._fail_updates(failed, cols, stopped)
+        if self.encoder_cache_manager.refs:
+            # Images whose placeholders are all in the KV cache now: their entries
+            # become freeable once no other request needs them.
+            for rid in list(self.encoder_cache_manager.refs):
+                request = requests.get(rid)
+                if request is not None:
+                    free_computed_encoder_inputs(request, self.encoder_cache_manager)
 
         if stopped:
             gone = {id(r) for r in stopped}
