@@ -5,9 +5,15 @@ import types
 
 import pytest
 
-from enginecore.kv_transfer import (KVConnectorBase_V1, KVConnectorFactory, KVConnectorMetadata,
-                                    KVConnectorOutput, KVConnectorRole, KVOutputAggregator,
-                                    KVTransferConfig)
+from enginecore.kv_transfer import (
+    KVConnectorBase_V1,
+    KVConnectorFactory,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVOutputAggregator,
+    KVTransferConfig,
+)
 
 
 class _RecordingConnector(KVConnectorBase_V1):

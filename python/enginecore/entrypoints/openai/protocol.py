@@ -100,6 +100,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    # KV transfer (vLLM's field, for the KV connector: do_remote_decode,
+    # do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, remote_port).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # -- requests -------------------------------------------------------------------------
@@ -207,6 +210,8 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None
     object: str = "text_completion"
+    # KV transfer: what the engine's KV connector returned (vLLM's field).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -248,6 +253,8 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: UsageInfo
     object: str = "chat.completion"
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # KV transfer: what the engine's KV connector returned (vLLM's field).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

@@ -122,6 +122,8 @@ def _sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int 
         bad_words=req.bad_words or None,
         prompt_logprobs=req.prompt_logprobs,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        extra_args=(None if req.kv_transfer_params is None
+                    else {"kv_transfer_params": req.kv_transfer_params}),
     )
 
 

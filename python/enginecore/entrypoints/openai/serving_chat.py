@@ -144,7 +144,8 @@ class OpenAIServingChat(OpenAIServing):
         body = ChatCompletionResponse(
             id=request_id, created=now(), model=model, choices=choices,
             usage=UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens),
-            prompt_logprobs=final.prompt_logprobs if prompt_logprobs else None)
+            prompt_logprobs=final.prompt_logprobs if prompt_logprobs else None,
+            kv_transfer_params=final.kv_transfer_params)
         return Response(_encode(body), media_type="application/json")
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, n: int,

@@ -154,7 +154,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     out.prompt_logprobs if req.prompt_logprobs is not None else None))
         body = CompletionResponse(
             id=request_id, created=now(), model=model, choices=choices,
-            usage=UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens))
+            usage=UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens),
+            kv_transfer_params=finals[0].kv_transfer_params if finals else None)
         return Response(_encode(body), media_type="application/json")
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str, n: int,
