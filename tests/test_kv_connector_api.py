@@ -97,3 +97,45 @@ def test_aggregator_reports_only_when_every_worker_finished():
     second = agg.aggregate([KVConnectorOutput(finished_sending={"a"}),
                             KVConnectorOutput(finished_recving={"b"})])
     assert second.finished_sending == {"a"} and second.finished_recving == {"b"}
+
+
+def test_wire_carries_kv_transfer_params_both_ways():
+    import msgspec
+
+    from enginecore.protocol import EngineCoreOutput, EngineCoreRequest, decode_request
+    from enginecore.sampling_params import SamplingParams
+
+    params = {"do_remote_decode": True, "remote_block_ids": [1, 2], "remote_port": 5}
+    req = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), kv_transfer_params=params,
+                            abort_immediately=True)
+    back = decode_request(msgspec.msgpack.encode(req))
+    assert back.kv_transfer_params == params and back.abort_immediately
+    # A request from a sender that knows no KV fields still decodes (trailing defaults).
+    old = decode_request(msgspec.msgpack.encode(EngineCoreRequest("o", [1])))
+    assert old.kv_transfer_params is None and not old.abort_immediately
+    out = EngineCoreOutput("r", [4], kv_transfer_params=params)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out),
+                                  type=EngineCoreOutput).kv_transfer_params == params
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        decode_request(msgspec.msgpack.encode(
+            EngineCoreRequest("b", [1], kv_transfer_params=[1])))  # type: ignore[arg-type]
+
+
+def test_engine_args_cli_and_llm_spellings(tmp_path):
+    import argparse
+
+    from enginecore.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--kv-transfer-config", '{"kv_connector": "SharedStorageConnector",'
+                              ' "kv_role": "kv_both", "kv_connector_extra_config":'
+                              f' {{"shared_storage_path": "{tmp_path}"}}}}'])
+    cfg = EngineArgs.from_cli_args(args).kv_transfer_config
+    assert cfg.kv_connector == "SharedStorageConnector" and cfg.is_kv_consumer
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-transfer-config", "{not json"])
+    # LLM(...) / EngineArgs(...) take a dict or the object.
+    synthetic = EngineArgs(model="synthetic", kv_transfer_config={
+        "kv_connector": "X", "kv_role": "kv_producer"}).create_engine_config()
+    assert synthetic.kv_transfer_config.is_kv_producer
+    assert EngineArgs(model="synthetic").create_engine_config().kv_transfer_config is None
