@@ -1,5 +1,6 @@
 """The KV connector API: config validation, factory by name and module path, aggregation."""
 
+import json
 import sys
 import types
 
@@ -127,9 +128,9 @@ def test_engine_args_cli_and_llm_spellings(tmp_path):
     from enginecore.config import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--kv-transfer-config", '{"kv_connector": "SharedStorageConnector",'
-                              ' "kv_role": "kv_both", "kv_connector_extra_config":'
-                              f' {{"shared_storage_path": "{tmp_path}"}}}}'])
+    value = json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    args = parser.parse_args(["--kv-transfer-config", value])
     cfg = EngineArgs.from_cli_args(args).kv_transfer_config
     assert cfg.kv_connector == "SharedStorageConnector" and cfg.is_kv_consumer
     with pytest.raises(SystemExit):
