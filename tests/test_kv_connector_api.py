@@ -1,13 +1,20 @@
 """The KV connector API: config validation, factory by name and module path, aggregation."""
 
+import json
 import sys
 import types
 
 import pytest
 
-from enginecore.kv_transfer import (KVConnectorBase_V1, KVConnectorFactory, KVConnectorMetadata,
-                                    KVConnectorOutput, KVConnectorRole, KVOutputAggregator,
-                                    KVTransferConfig)
+from enginecore.kv_transfer import (
+    KVConnectorBase_V1,
+    KVConnectorFactory,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVOutputAggregator,
+    KVTransferConfig,
+)
 
 
 class _RecordingConnector(KVConnectorBase_V1):
@@ -91,3 +98,45 @@ def test_aggregator_reports_only_when_every_worker_finished():
     second = agg.aggregate([KVConnectorOutput(finished_sending={"a"}),
                             KVConnectorOutput(finished_recving={"b"})])
     assert second.finished_sending == {"a"} and second.finished_recving == {"b"}
+
+
+def test_wire_carries_kv_transfer_params_both_ways():
+    import msgspec
+
+    from enginecore.protocol import EngineCoreOutput, EngineCoreRequest, decode_request
+    from enginecore.sampling_params import SamplingParams
+
+    params = {"do_remote_decode": True, "remote_block_ids": [1, 2], "remote_port": 5}
+    req = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), kv_transfer_params=params,
+                            abort_immediately=True)
+    back = decode_request(msgspec.msgpack.encode(req))
+    assert back.kv_transfer_params == params and back.abort_immediately
+    # A request from a sender that knows no KV fields still decodes (trailing defaults).
+    old = decode_request(msgspec.msgpack.encode(EngineCoreRequest("o", [1])))
+    assert old.kv_transfer_params is None and not old.abort_immediately
+    out = EngineCoreOutput("r", [4], kv_transfer_params=params)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out),
+                                  type=EngineCoreOutput).kv_transfer_params == params
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        decode_request(msgspec.msgpack.encode(
+            EngineCoreRequest("b", [1], kv_transfer_params=[1])))  # type: ignore[arg-type]
+
+
+def test_engine_args_cli_and_llm_spellings(tmp_path):
+    import argparse
+
+    from enginecore.config import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    value = json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    args = parser.parse_args(["--kv-transfer-config", value])
+    cfg = EngineArgs.from_cli_args(args).kv_transfer_config
+    assert cfg.kv_connector == "SharedStorageConnector" and cfg.is_kv_consumer
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-transfer-config", "{not json"])
+    # LLM(...) / EngineArgs(...) take a dict or the object.
+    synthetic = EngineArgs(model="synthetic", kv_transfer_config={
+        "kv_connector": "X", "kv_role": "kv_producer"}).create_engine_config()
+    assert synthetic.kv_transfer_config.is_kv_producer
+    assert EngineArgs(model="synthetic").create_engine_config().kv_transfer_config is None

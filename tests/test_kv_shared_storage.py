@@ -15,7 +15,7 @@ import pytest
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 from enginecore.protocol import FinishReason
-from tiny_models import hf_greedy, make_tiny_model
+from tiny_models import hf_greedy, make_tiny_chat_model, make_tiny_model
 
 BLOCK = 16
 MAX_TOKENS = 6
@@ -132,3 +132,25 @@ def test_size_cap_evicts_least_recently_used(long_llama, tmp_path):
     # What is left is still right to load.
     assert run(make_engine(long_llama, store, max_bytes=cap), prompt)["tokens"] == \
         first["tokens"] == hf_greedy(long_llama, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_llm_api_reports_loaded_tokens_as_cached(tmp_path_factory, tmp_path, multiprocess):
+    from enginecore import LLM
+
+    long_llama = make_tiny_chat_model(str(tmp_path_factory.mktemp("chat_long")),
+                                      max_position_embeddings=2048)
+    kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")}}
+    prompt = PROMPT[:200]
+    results = []
+    for _ in range(2):  # the second LLM is a fresh engine on the same store
+        with LLM(long_llama, dtype="float32", block_size=BLOCK, num_gpu_blocks_override=64,
+                 max_model_len=2048, kv_transfer_config=kv,
+                 multiprocess_mode=multiprocess) as llm:
+            out = llm.generate({"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            results.append(out[0])
+    assert [r.outputs[0].token_ids for r in results] == [hf_greedy(long_llama, prompt, 4)] * 2
+    assert results[0].num_cached_tokens == 0
+    assert results[1].num_cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK

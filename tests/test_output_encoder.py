@@ -42,12 +42,18 @@ special_outputs = st.builds(
     stop_reason=st.none() | st.integers(-5, 10**6) | IDS,
     num_cached_tokens=st.integers(0, 10**6),
     pooling_output=st.none() | st.lists(st.floats(allow_nan=False), max_size=4),
+    kv_transfer_params=st.none() | st.fixed_dictionaries(
+        {"do_remote_prefill": st.booleans(), "remote_block_ids": st.lists(st.integers(0, 99)),
+         "remote_host": st.text(max_size=20), "remote_port": st.integers(0, 65535)}),
 )
 
 rows = st.lists(st.one_of(st.tuples(IDS, TOKENS), special_outputs), max_size=70)
 stats = st.none() | st.builds(SchedulerStats, num_running_reqs=st.integers(0, 999),
                               kv_cache_usage=st.floats(0, 1),
-                              prefix_cache_stats=st.builds(PrefixCacheStats))
+                              prefix_cache_stats=st.builds(PrefixCacheStats),
+                              kv_connector_stats=st.none() | st.dictionaries(
+                                  st.text(max_size=10), st.integers(0, 10**6), max_size=3),
+                              num_external_computed_tokens=st.integers(0, 10**9))
 
 
 @settings(max_examples=300, deadline=None)

@@ -99,6 +99,12 @@ class _Families:
         self.encoder_hits = counter("encoder_cache_hits",
                                     "Multimodal items found in the encoder cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted by the engine.")
+        # KV transfer (a KV connector is configured).
+        self.external_hits = counter("external_prefix_cache_hits",
+                                     "Prompt tokens loaded through the KV connector.")
+        self.kv_connector = counter("kv_connector_stat",
+                                    "The KV connector's counters (blocks loaded, saved, ...).",
+                                    me + ["stat"])
         self.spec_drafts = counter("spec_decode_num_draft_tokens",
                                    "Speculative tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens",
@@ -188,11 +194,14 @@ class FrontendMetrics:
             f.encoder_queries.labels(*labels).inc(ec.queries)
         if ec.hits:
             f.encoder_hits.labels(*labels).inc(ec.hits)
+        for stat, value in (s.kv_connector_stats or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                f.kv_connector.labels(*labels, stat).inc(value)
         totals = (s.num_preempted_total, s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
-                  s.spec_num_drafts)
+                  s.spec_num_drafts, s.num_external_computed_tokens)
         last = self._last_totals.get(engine_index)
         if last is None:  # an engine's first stats: its counters exist from now on, at 0
-            last = (0, 0, 0, 0)
+            last = (0, 0, 0, 0, 0)
             for counter in (f.prefix_queries, f.prefix_hits, f.preemptions, f.encoder_queries,
                             f.encoder_hits):
                 counter.labels(*labels)
@@ -200,7 +209,7 @@ class FrontendMetrics:
                 for counter in (f.spec_drafts, f.spec_accepted, f.spec_num_drafts):
                     counter.labels(*labels)
         for counter, now, before in zip((f.preemptions, f.spec_drafts, f.spec_accepted,
-                                         f.spec_num_drafts), totals, last):
+                                         f.spec_num_drafts, f.external_hits), totals, last):
             if now > before:
                 counter.labels(*labels).inc(now - before)
         # A restarted engine starts from zero again: take its totals as the new base.
