@@ -27,6 +27,11 @@ from enginecore.entrypoints.openai.protocol import (
     UsageInfo,
     now,
 )
+from enginecore.entrypoints.openai.request_limits import (
+    messages_size,
+    off_loop,
+    precompile_structured,
+)
 from enginecore.entrypoints.openai.sampling import to_sampling_params
 from enginecore.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -92,14 +97,22 @@ class OpenAIServingChat(OpenAIServing):
                                   "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         tokenizer = self.require_tokenizer()
-        prompt = render_chat(self.engine.input_processor, req.messages,
-                             add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
-                             tools=req.tools, documents=req.documents,
-                             chat_template=req.chat_template,
-                             chat_template_kwargs=req.chat_template_kwargs)
-        if req.add_special_tokens:
-            prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
+        self.ctx.limits.check_text(messages_size(req.messages), "the messages' text",
+                                   "messages")
+
+        def render() -> dict[str, Any]:
+            prompt = render_chat(self.engine.input_processor, req.messages,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 tools=req.tools, documents=req.documents,
+                                 chat_template=req.chat_template,
+                                 chat_template_kwargs=req.chat_template_kwargs)
+            if req.add_special_tokens:
+                prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
+            return prompt
+
+        # The template and the tokenizer: in a worker thread, not on the event loop.
+        prompt = await off_loop(render)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
@@ -113,6 +126,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id(req.request_id)
         ticket = self.ctx.admission.admit([request_id], params.n)
         try:
+            await precompile_structured(self.engine.input_processor, params)
             stream = self.engine.generate(prompt, params,
                                           request_id, lora_request=lora,
                                           priority=req.priority, cache_salt=req.cache_salt)
