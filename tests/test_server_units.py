@@ -45,7 +45,9 @@ def test_serve_flags_are_vllms_and_every_engine_arg():
     defaults = serve_args()
     assert (defaults.host, defaults.port, engine_args_of(defaults).model) == ("127.0.0.1",
                                                                               8000, None)
-    assert process_capacity(defaults, engine_args_of(defaults)) is None
+    # Without --max-queued-requests: --max-sequences-in-flight, 16 x max_num_seqs by default.
+    assert process_capacity(defaults, engine_args_of(defaults)) == 16 * engine_args_of(
+        defaults).max_num_seqs
     with pytest.raises(UserError, match="two models given"):
         engine_args_of(serve_args("a", "--model", "b"))
     with pytest.raises(ValueError):

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import msgspec
 
 from enginecore.bounds import INT64_MAX, Int64, NonNegInt64, PositiveInt64, check_bounds, finite
+from enginecore.errors import short_repr
 
 _MAX_SEED = INT64_MAX
 # More parallel samples than this is a mistake, not a request (OpenAI caps n at 128).
@@ -168,7 +169,7 @@ class SamplingParams(
                              f"got {type(so).__name__}")
 
         def bad(field: str, value: object, must: str) -> ValueError:
-            return ValueError(f"SamplingParams.{field} must be {must}, got {value!r}")
+            return ValueError(f"SamplingParams.{field} must be {must}, got {short_repr(value)}")
 
         self._validate_logits_fields(bad)
         self._validate_front_end_fields(bad)

@@ -56,6 +56,7 @@ class InputProcessor:
         self._engines_local = (pc.data_parallel_size_local >= pc.data_parallel_size
                                and pc.data_parallel_backend != "ray")
         self._structured: Any = None
+        self._checked_constraints: dict[tuple[str, str], None] = {}  # recent, bounded
         self._arch: Any = None  # the model's LlamaArchConfig, for LoRA checks
         # Images: the model's HF image processor (None: a text-only model).
         self.mm_processor = MultiModalProcessor.create(
@@ -286,10 +287,22 @@ class InputProcessor:
             self._structured = StructuredOutputManager(
                 path if path and os.path.exists(path) else None, mc.vocab_size,
                 mc.eos_token_id)
+        key = sp.structured_outputs.key()
+        if key in self._checked_constraints:
+            return  # compiled a moment ago (the API server does it off its event loop)
         try:
             self._structured.compile(sp.structured_outputs)
         except StructuredOutputError as e:
             raise ValueError(str(e)) from None
+        if len(self._checked_constraints) >= _CHECKED_CONSTRAINTS:
+            self._checked_constraints.pop(next(iter(self._checked_constraints)), None)
+        self._checked_constraints[key] = None
+
+    def check_structured(self, sp: SamplingParams) -> None:
+        """Compile ``sp``'s constraint (ValueError if it does not): callable from a
+        worker thread, so the later check of the same request is a lookup."""
+        if sp.structured_outputs is not None:
+            self._check_structured(sp)
 
     def _check_priority(self, priority: Any) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -363,6 +376,10 @@ class InputProcessor:
         if images:
             prompt["multi_modal_data"] = {"image": images}
         return prompt
+
+# Constraints compiled recently (by key): a request checked off the event loop is
+# not compiled a second time on it.
+_CHECKED_CONSTRAINTS = 64
 
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
 

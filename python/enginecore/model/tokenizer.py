@@ -100,10 +100,15 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and \
-                (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
+        if len(text) > _GIL_FREE_CHARS:
+            # encode_batch releases the GIL (encode holds it): a long prompt tokenized
+            # in a worker thread does not stall the server's event loop.
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
         return ids
 
     def id_to_token(self, token_id: int) -> str | None:
@@ -165,3 +170,6 @@ class Tokenizer:
 
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+_GIL_FREE_CHARS = 8192

@@ -39,10 +39,12 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, engine: Any, capacity: int | None) -> None:
+    def __init__(self, engine: Any, capacity: int | None,
+                 flags: str = "--max-sequences-in-flight / --max-queued-requests") -> None:
         """``capacity``: sequences this process may hold at once (None: no bound)."""
         self.engine = engine
         self.capacity = capacity
+        self.flags = flags
         self.in_flight = 0
         self._ids: dict[str, int] = {}
         self.draining = False
@@ -52,9 +54,13 @@ class Admission:
         the caller releases the ticket when they have ended."""
         if self.draining:
             raise APIError(503, "the server is shutting down")
+        if self.capacity is not None and weight > self.capacity:
+            raise APIError(429, f"this request asks for {weight} sequences (prompts x n), "
+                           f"more than the server's bound of {self.capacity} sequences in "
+                           f"flight ({self.flags})", headers={"Retry-After": "1"})
         if self.capacity is not None and self.in_flight + weight > self.capacity:
             raise APIError(429, f"the server is at its bound of {self.capacity} queued and "
-                           "running sequences (--max-queued-requests); retry later",
+                           f"running sequences ({self.flags}); retry later",
                            headers={"Retry-After": "1"})
         self.in_flight += weight
         for rid in request_ids:

@@ -47,6 +47,7 @@ from enginecore.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from enginecore.entrypoints.openai.responses_protocol import ResponsesRequest
+from enginecore.entrypoints.openai.request_limits import off_loop
 from enginecore.entrypoints.openai.serving_chat import OpenAIServingChat
 from enginecore.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from enginecore.entrypoints.openai.serving_embedding import (
@@ -129,7 +130,8 @@ def build_app(ctx: ServerContext, health: EngineHealth, metrics: MetricsEndpoint
                         media_type="application/json")
 
     async def tokenize_route(request: Request) -> Response:
-        return tokenization.tokenize(await body_of(request, TokenizeRequest))
+        # Rendering and tokenizing a large body: in a worker thread, not on the loop.
+        return await off_loop(tokenization.tokenize, await body_of(request, TokenizeRequest))
 
     async def detokenize_route(request: Request) -> Response:
         return tokenization.detokenize(await body_of(request, DetokenizeRequest))

@@ -38,7 +38,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv.add_argument("--max-queued-requests", type=int, default=None,
                      help="sequences allowed to wait beyond what the engine runs at once "
                           "(max-num-seqs x data-parallel-size); more get 429 at once "
-                          "(default: no bound)")
+                          "(default: only --max-sequences-in-flight bounds them)")
+    srv.add_argument("--max-sequences-in-flight", type=int, default=None, metavar="N",
+                     help="sequences (prompts x n of every request) admitted at once; more "
+                          "get 429 at once (default: 16 x max-num-seqs x "
+                          "data-parallel-size)")
+    srv.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
+                     help="the largest prompt text (or chat messages' text) accepted, "
+                          "checked before tokenizing; larger is a 400 (default: 32 bytes per "
+                          "token of max-model-len, at least 1 MiB)")
     srv.add_argument("--shutdown-timeout", type=float, default=10.0,
                      help="seconds SIGTERM waits for requests in flight before aborting them")
     srv.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

@@ -46,7 +46,13 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+# The longest error message sent (a message that quotes a value is cut here at worst).
+MAX_ERROR_MESSAGE_CHARS = 2000
+
+
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = message[:MAX_ERROR_MESSAGE_CHARS] + "... (cut)"
     kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return _encode(ErrorResponse(ErrorInfo(message, kind, param, status)))
 

@@ -36,6 +36,10 @@ from typing import Any
 
 from enginecore.config import EngineArgs
 from enginecore.entrypoints.cli_common import EXIT_INTERRUPTED, UserError, user_errors
+from enginecore.entrypoints.openai.request_limits import (
+    RequestLimits,
+    default_max_sequences_in_flight,
+)
 from enginecore.entrypoints.openai.serving_models import LoRAModulePath
 
 logger = logging.getLogger("enginecore.serve")
@@ -58,6 +62,10 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
         raise UserError("--api-server-count must be >= 1")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise UserError("--max-queued-requests must be >= 0")
+    for flag in ("max_sequences_in_flight", "max_prompt_bytes"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.shutdown_timeout < 0:
         raise UserError("--shutdown-timeout must be >= 0")
     with user_errors():
@@ -74,11 +82,16 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
     return engine_args
 
 
-def process_capacity(args: argparse.Namespace, engine_args: EngineArgs) -> int | None:
-    """Sequences one API server process may hold (None: no bound)."""
-    if args.max_queued_requests is None:
-        return None
-    total = engine_args.max_num_seqs * engine_args.data_parallel_size + args.max_queued_requests
+def process_capacity(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """Sequences one API server process may hold: --max-sequences-in-flight (default
+    16 x max-num-seqs x data-parallel-size), tighter with --max-queued-requests."""
+    running = engine_args.max_num_seqs * engine_args.data_parallel_size
+    total = getattr(args, "max_sequences_in_flight", None)
+    if total is None:
+        total = default_max_sequences_in_flight(engine_args.max_num_seqs,
+                                                engine_args.data_parallel_size)
+    if args.max_queued_requests is not None:
+        total = min(total, running + args.max_queued_requests)
     return max(1, -(-total // args.api_server_count))
 
 
@@ -135,6 +148,8 @@ def build_server(engine: Any, args: argparse.Namespace, capacity: int | None) ->
     configure_chat_templates(ctx, engine, args)
     configure_reasoning(ctx, args)
     ctx.tool_config = ToolCallConfig.from_args(args)
+    ctx.limits = RequestLimits.for_model(engine.max_model_len,
+                                         getattr(args, "max_prompt_bytes", None))
     health = EngineHealth(engine)
     metrics = MetricsEndpoint(["/health", "/version", "/metrics", "/v1/models",
                                "/v1/completions", "/v1/chat/completions", "/v1/embeddings",

@@ -15,6 +15,7 @@ from typing import Any
 
 from enginecore.entrypoints.openai.errors import bad_request, value_error
 from enginecore.entrypoints.openai.protocol import SamplingFields
+from enginecore.errors import short_repr
 from enginecore.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -136,7 +137,7 @@ def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float] | None:
         try:
             token_id = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id (an integer as a "
-                              "string)", "logit_bias") from None
+            raise bad_request(f"logit_bias key {short_repr(key)} is not a token id (an "
+                              "integer as a string)", "logit_bias") from None
         out[token_id] = min(100.0, max(-100.0, float(value)))
     return out

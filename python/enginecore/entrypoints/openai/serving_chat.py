@@ -33,6 +33,7 @@ from enginecore.entrypoints.openai.protocol import (
     UsageInfo,
     now,
 )
+from enginecore.entrypoints.openai.request_limits import messages_size, precompile_structured
 from enginecore.entrypoints.openai.sampling import to_sampling_params
 from enginecore.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -109,17 +110,25 @@ class OpenAIServingChat(OpenAIServing):
                                   "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         tokenizer = self.require_tokenizer()
+        self.ctx.limits.check_text(messages_size(req.messages), "the messages' text",
+                                   "messages")
         template = request_template(req.chat_template, req.chat_template_kwargs,
                                     self.ctx.trust_request_chat_template)
-        prompt = await off_loop(render_chat, self.engine.input_processor, req.messages,
-                                add_generation_prompt=req.add_generation_prompt,
-                                continue_final_message=req.continue_final_message,
-                                tools=req.tools, documents=req.documents,
-                                chat_template=template, untrusted_template=True,
-                                chat_template_kwargs=without_template_kwarg(
-                                    req.chat_template_kwargs))
-        if req.add_special_tokens:
-            prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
+
+        def render() -> dict[str, Any]:
+            prompt = render_chat(self.engine.input_processor, req.messages,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 tools=req.tools, documents=req.documents,
+                                 chat_template=template, untrusted_template=True,
+                                 chat_template_kwargs=without_template_kwarg(
+                                     req.chat_template_kwargs))
+            if req.add_special_tokens:
+                prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"])
+            return prompt
+
+        # The template and the tokenizer: in a worker thread, not on the event loop.
+        prompt = await off_loop(render)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
@@ -136,6 +145,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id(req.request_id)
         ticket = self.ctx.admission.admit([request_id], params.n)
         try:
+            await precompile_structured(self.engine.input_processor, params)
             stream = self.engine.generate(prompt, params,
                                           request_id, lora_request=lora,
                                           priority=req.priority, cache_salt=req.cache_salt)

@@ -29,6 +29,10 @@ from enginecore.entrypoints.openai.protocol import (
     UsageInfo,
     now,
 )
+from enginecore.entrypoints.openai.request_limits import (
+    precompile_structured,
+    prepare_prompts,
+)
 from enginecore.entrypoints.openai.sampling import to_sampling_params
 from enginecore.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -92,11 +96,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        for i in range(len(prompts))]
         ticket = self.ctx.admission.admit(ids, len(prompts) * params.n)
         try:
-            streams = [self.engine.generate(self.engine_prompt(p, req.add_special_tokens),
-                                            params, rid,
+            engine_prompts = await prepare_prompts(self, prompts, req.add_special_tokens,
+                                                   req.truncate_prompt_tokens, "prompt")
+            await precompile_structured(self.engine.input_processor, params)
+            streams = [self.engine.generate(ep, params, rid,
                                             lora_request=lora, priority=req.priority,
                                             cache_salt=req.cache_salt)
-                       for p, rid in zip(prompts, ids)]
+                       for ep, rid in zip(engine_prompts, ids)]
             merged = merge_streams(streams)
             text_of = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
             if req.stream:

@@ -24,6 +24,7 @@ from enginecore.entrypoints.openai.protocol import (
     TokenizeResponse,
     now,
 )
+from enginecore.entrypoints.openai.request_limits import messages_size, prepare_prompts
 from enginecore.entrypoints.openai.serving_chat import render_chat
 from enginecore.entrypoints.openai.serving_completion import parse_prompts
 from enginecore.entrypoints.openai.serving_engine import (
@@ -65,11 +66,13 @@ class OpenAIServingEmbedding(OpenAIServing):
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         ticket = self.ctx.admission.admit(ids, len(prompts))
         try:
+            engine_prompts = await prepare_prompts(self, prompts, req.add_special_tokens,
+                                                   None, "input")
+
             async def run_all() -> list[Any]:
                 return await asyncio.gather(*(
-                    collect_final(self.engine.encode(
-                        self.engine_prompt(p, req.add_special_tokens), params, rid))
-                    for p, rid in zip(prompts, ids)))
+                    collect_final(self.engine.encode(ep, params, rid))
+                    for ep, rid in zip(engine_prompts, ids)))
             finals = await answer(request, run_all())
         finally:
             ticket.release()
@@ -96,6 +99,11 @@ class OpenAIServingTokenization(OpenAIServing):
         tok = self.require_tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            self.ctx.limits.check_text(messages_size(req.messages), "the messages' text",
+                                       "messages")
+        else:
+            self.ctx.limits.check_text(len(req.prompt), "the prompt text", "prompt")
         if req.messages is not None:
             prompt = render_chat(self.engine.input_processor, req.messages,
                                  add_generation_prompt=req.add_generation_prompt,

@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from enginecore.entrypoints.openai.admission import Admission
 from enginecore.entrypoints.openai.errors import APIError, validation_error, value_error
+from enginecore.entrypoints.openai.request_limits import RequestLimits, too_deep
 from enginecore.entrypoints.openai.serving_models import ServingModels
 from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
 from enginecore.errors import EngineDeadError
@@ -54,6 +55,7 @@ class ServerContext:
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.max_model_len = models.max_model_len
         self.tool_config = ToolCallConfig()  # the serve flags' (launcher.build_server)
+        self.limits = RequestLimits.for_model(models.max_model_len)
 
 
 class OpenAIServing:
@@ -114,6 +116,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise validation_error(e) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise too_deep() from None
 
 
 async def _wait_disconnect(request: Request) -> None:
