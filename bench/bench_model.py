@@ -174,8 +174,11 @@ def test_attention_kernel(benchmark, context, kind, path):
     """One layer's attention at the default model's shape (9 heads, 3 KV heads, dim
     64, bf16, block 16): 64 decodes at `context`, or the last (up to) 512-token
     prefill chunk of a `context`-token prompt."""
-    from enginecore.model.attention import (make_attention_metadata, paged_attention_native,
-                                            paged_attention_torch)
+    from enginecore.model.attention import (
+        make_attention_metadata,
+        paged_attention_native,
+        paged_attention_torch,
+    )
 
     benchmark.group = f"attention_kernel[{kind} context {context}]"
     H, Hkv, D, bs = 9, 3, 64, 16

@@ -20,7 +20,6 @@ from __future__ import annotations
 import pytest
 
 from bench_engine_core import decoding_engine
-
 from enginecore import _native
 from enginecore.protocol import EngineCoreOutput, EngineCoreOutputs
 from enginecore.sched.columnar_outputs import ColumnarOutputs

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from soak import run_soak  # noqa: E402
+from soak import run_soak
 
 
 def test_soak(benchmark):

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
           "ModelRunnerOutput + update_from_output), all requests decoding")
     print(f"{'decodes':>8} {'log_stats':>9} {'min us':>10} {'median us':>10} {'rounds':>7}")
     for r in results:
-        print(f"{r['num_reqs']:>8} {str(r['log_stats']):>9} {r['min_us']:>10.1f} "
+        print(f"{r['num_reqs']:>8} {r['log_stats']!s:>9} {r['min_us']:>10.1f} "
               f"{r['median_us']:>10.1f} {r['rounds']:>7}")
     if args.json:
         with open(args.json, "w") as f:

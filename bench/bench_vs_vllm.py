@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_serve import LEVELS, _cpu, format_table, run_level  # noqa: E402
+from bench_serve import LEVELS, _cpu, format_table, run_level
 
 NAME = "SmolLM2-135M-Instruct"
 # vLLM's CPU backend reserves a fraction of RAM and a KV space; keep both modest

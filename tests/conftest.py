@@ -8,7 +8,6 @@ import pytest
 
 from enginecore import _native
 
-
 # `make gpu-check` dry run: the CUDA-marked tests run on the CPU (their CUDA-only
 # checks skip themselves), so the script and the tests can be tried without a GPU.
 CUDA_TESTS_ON_CPU = os.environ.get("ENGINECORE_CUDA_TESTS_ON_CPU") == "1"

@@ -22,7 +22,6 @@ from enginecore import EngineArgs, EngineCoreRequest, FinishReason, SamplingPara
 from enginecore.client import SyncMPClient
 from enginecore.executor.synthetic import request_seed, synthetic_token
 from enginecore.protocol import EngineCoreRequestType
-
 from proc_executors import LATE_AFTER, LATE_POISON, POISON, FaultInjectingExecutor
 
 VOCAB = 32000
@@ -158,7 +157,7 @@ def read_outputs(fronts, reqs, live, res, timeout: float) -> None:
     for f, c in enumerate(fronts):
         try:
             outs = c.get_output(timeout=timeout)
-        except Exception as e:  # noqa: BLE001 - queue.Empty
+        except Exception as e:  # queue.Empty
             if type(e).__name__ == "Empty":
                 continue
             raise

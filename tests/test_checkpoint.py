@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from enginecore import EngineArgs, EngineCore
-
 from helpers import run_to_completion
 from test_model_families import FEW_BLOCKS
 from test_model_llama import PROMPTS

@@ -11,7 +11,6 @@ import torch
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 from enginecore.client import make_client
 from enginecore.client.sockets import rank_devices
-
 from helpers import run_to_completion
 from test_model_llama import PROMPTS, engine_tokens
 from tiny_models import hf_greedy, make_tiny_model

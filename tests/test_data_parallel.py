@@ -12,11 +12,9 @@ import time
 
 import pytest
 
-from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
-from enginecore import SamplingParams
+from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason, SamplingParams
 from enginecore.client import make_client
 from enginecore.client.sockets import rank_devices
-
 from helpers import run_to_completion, synthetic_engine
 
 N = 100

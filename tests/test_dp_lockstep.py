@@ -11,8 +11,7 @@ import time
 import msgspec
 import pytest
 
-from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason
-from enginecore import SamplingParams
+from enginecore import EngineArgs, EngineCoreRequest, EngineDeadError, FinishReason, SamplingParams
 from enginecore.client import make_client
 from enginecore.core.dp_coordinator import DPCoordinator
 from enginecore.protocol import (
@@ -22,7 +21,6 @@ from enginecore.protocol import (
     StartDPWave,
     WaveStartRequest,
 )
-
 from test_data_parallel import N, drain_by_rank, reference, reqs
 
 

@@ -9,10 +9,8 @@ import time
 import pytest
 import ray
 
-from enginecore import EngineArgs, EngineCoreRequest, FinishReason
-from enginecore import SamplingParams
+from enginecore import EngineArgs, EngineCoreRequest, FinishReason, SamplingParams
 from enginecore.client import make_client
-
 from test_data_parallel import N, drain_by_rank, kill_and_expect_dead, reference, reqs
 from test_dp_lockstep import dp_states, wait_for
 
@@ -66,10 +64,9 @@ def test_ray_dp2_same_tokens_fair_share_wave_ends(lockstep):
 
 
 def test_ray_tiny_real_model_dp2(tmp_path):
-    from tiny_models import make_tiny_model
-
     from enginecore import EngineCore
     from helpers import run_to_completion
+    from tiny_models import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "m"), seed=4)
     common = dict(model=path, dtype="float32", block_size=4, max_model_len=128,

@@ -13,7 +13,6 @@ import torch
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, FinishReason, SamplingParams
 from enginecore.entrypoints.llm import LLM
 from enginecore.protocol import PoolingParams
-
 from helpers import run_to_completion
 
 SENTENCES = [

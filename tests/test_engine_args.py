@@ -13,7 +13,6 @@ from enginecore.client import make_client
 from enginecore.config_aliases import ALIASES
 from enginecore.executor import SyntheticExecutor
 from enginecore.protocol import EngineCoreRequest
-
 from helpers import make_request, run_to_completion
 
 STATS_LOGGER = "enginecore.core.stat_logger"

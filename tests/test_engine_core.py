@@ -8,7 +8,6 @@ import pytest
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, FinishReason, LoRARequest
 from enginecore.executor import SyntheticExecutor
-
 from helpers import make_request, run_to_completion, synthetic_engine
 
 

@@ -24,7 +24,6 @@ from enginecore import (
 from enginecore.client import SyncMPClient, make_client
 from enginecore.client.utility_calls import PendingCall
 from enginecore.protocol import EngineCoreRequestType, SchedulerStats, UtilityRequest
-
 from helpers import run_to_completion, synthetic_engine
 from proc_executors import FailAfterExecutor, LogprobsExecutor
 
@@ -348,9 +347,9 @@ def test_large_frames_survive_buffer_reuse(hot_path):
 
 
 def test_handshake_timeout_names_the_engine():
-    from enginecore.client.sockets import Addresses
     import zmq
 
+    from enginecore.client.sockets import Addresses
     from enginecore.core.engine_core_proc import EngineCoreProc
 
     addrs = Addresses("ipc")

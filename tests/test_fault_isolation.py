@@ -8,7 +8,6 @@ import pytest
 
 from enginecore import EngineArgs, EngineCore, FinishReason
 from enginecore.core.fault_isolation import ExecutorFailed
-
 from helpers import collect, make_request, run_to_completion, synthetic_engine
 from proc_executors import (
     LATE_AFTER,

@@ -10,7 +10,6 @@ import torch
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, FinishReason, SamplingParams
 from enginecore.model.sampler import Sampler, SamplingRow
-
 from helpers import run_to_completion
 
 

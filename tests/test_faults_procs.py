@@ -28,7 +28,6 @@ from enginecore.protocol import (
     EngineCoreOutputs,
     HandshakeHello,
 )
-
 from helpers import run_to_completion, synthetic_engine
 from test_data_parallel import kill_and_expect_dead
 

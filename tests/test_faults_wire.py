@@ -25,13 +25,12 @@ from enginecore import (
     EngineDeadError,
     FinishReason,
     SamplingParams,
+    _native,
 )
-from enginecore import _native
 from enginecore.client import SyncMPClient, make_client
 from enginecore.client.utility_calls import PendingCall
 from enginecore.protocol import EngineCoreRequestType, UtilityRequest, readable_request_id
 from enginecore.sampling_params import StructuredOutputsParams
-
 from helpers import make_request, run_to_completion, synthetic_engine
 from proc_executors import LogprobsExecutor
 

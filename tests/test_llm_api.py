@@ -12,7 +12,6 @@ import pytest
 
 from enginecore import LLM, EngineArgs, LoRARequest, SamplingParams
 from enginecore.frontend.metrics_reader import Counter, Gauge, Histogram, Vector
-
 from test_lora import make_adapter
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -37,7 +36,8 @@ def adapter(tiny_chat_model, tmp_path_factory):
 
 def test_top_level_imports():
     import enginecore
-    from enginecore import LLM as top_llm, SamplingParams as top_sp  # noqa: F401
+    from enginecore import LLM as top_llm
+    from enginecore import SamplingParams as top_sp
 
     assert top_llm is LLM and "LLM" in enginecore.__all__ and top_sp is SamplingParams
 

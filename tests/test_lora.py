@@ -8,9 +8,14 @@ import os
 import pytest
 import torch
 
-from enginecore import EngineArgs, EngineCore, EngineCoreRequest, FinishReason, LoRARequest
-from enginecore import SamplingParams
-
+from enginecore import (
+    EngineArgs,
+    EngineCore,
+    EngineCoreRequest,
+    FinishReason,
+    LoRARequest,
+    SamplingParams,
+)
 from helpers import run_to_completion
 from tiny_models import make_tiny_model
 

@@ -10,7 +10,6 @@ import torch
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 from enginecore.client import make_client
-
 from helpers import run_to_completion
 from test_model_llama import PROMPTS, engine_tokens
 from tiny_models import hf_greedy, hf_logits, make_tiny_model

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, FinishReason, SamplingParams
-
 from helpers import collect, run_to_completion
 from tiny_models import hf_greedy, make_tiny_model
 

@@ -12,7 +12,6 @@ import pytest
 from enginecore import EngineArgs
 from enginecore.model.arch_config import SUPPORTED_ARCHITECTURES
 from enginecore.model.hf_cache import hf_hub_cache_dir
-
 from tiny_models import make_tiny_model
 
 SHA = "0123456789abcdef0123456789abcdef01234567"

@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 import torch
 
+from enginecore.model.arch_config import LlamaArchConfig
 from enginecore.model.hf_loader import iterate_weights
-from enginecore.model.mrope import (MRotaryStep, mrope_column_rows, mrope_input_positions,
-                                    positions_with_delta)
+from enginecore.model.mrope import (
+    MRotaryStep,
+    mrope_column_rows,
+    mrope_input_positions,
+    positions_with_delta,
+)
 from enginecore.model.qwen2_vl_vision import Qwen2VisionConfig, Qwen2VisionEncoder
 from enginecore.model.rope import rope_cos_sin
-from enginecore.model.arch_config import LlamaArchConfig
 from tiny_qwen2_vl import hf_inputs, hf_model, make_tiny_qwen2_vl, random_image
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from enginecore import FinishReason
 from enginecore.protocol import EngineCoreEventType
-
 from helpers import make_request, synthetic_engine
 
 

@@ -18,7 +18,6 @@ from enginecore import (
 )
 from enginecore.model.sampler import Sampler, SamplingRow
 from enginecore.protocol import decode_request, encode_request
-
 from helpers import collect, run_to_completion
 from tiny_models import hf_logits
 

@@ -25,7 +25,6 @@ from enginecore.sampling_params import SamplingParams
 from enginecore.sched import scheduler_loops as loops
 from enginecore.sched.block_pool import PyBlockPool
 from enginecore.sched.request_table import PyRequestTable
-
 from helpers import make_request, synthetic_engine
 
 H = b"h" * 32

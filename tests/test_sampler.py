@@ -9,7 +9,6 @@ import torch
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 from enginecore.model.sampler import Sampler, SamplingRow
-
 from helpers import run_to_completion
 from tiny_models import hf_logits, make_tiny_model
 

@@ -8,7 +8,6 @@ from enginecore import FinishReason
 from enginecore.executor.synthetic import synthetic_token
 from enginecore.request import RequestStatus
 from enginecore.sched.scheduler import PauseState
-
 from helpers import make_request, run_to_completion, synthetic_engine
 
 VOCAB = 32000

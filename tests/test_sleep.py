@@ -9,7 +9,6 @@ import os
 import pytest
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
-
 from helpers import run_to_completion
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,6 @@ import pytest
 
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 from enginecore.model.ngram_proposer import NgramProposer
-
 from helpers import run_to_completion
 from tiny_models import make_tiny_model
 

@@ -6,7 +6,6 @@ import os
 
 import torch
 
-
 # Family-specific settings of the tiny models: small enough windows, soft caps and
 # rope limits that each difference from Llama changes the tokens.
 TINY_KINDS = {

@@ -11,7 +11,6 @@ from typing import Any
 
 from enginecore import _native
 
-
 _WAKE_S = 0.1
 
 

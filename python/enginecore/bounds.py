@@ -65,9 +65,9 @@ def _float_checker(t: mi.FloatType) -> Checker:
 
 
 def _range(t: mi.IntType | mi.FloatType) -> str:
-    lo = ("(-inf" if t.ge is None and t.gt is None or t.ge == -_FLOAT_MAX
+    lo = ("(-inf" if (t.ge is None and t.gt is None) or t.ge == -_FLOAT_MAX
           else f"[{t.ge!r}" if t.ge is not None else f"({t.gt!r}")
-    hi = ("inf)" if t.le is None and t.lt is None or t.le == _FLOAT_MAX
+    hi = ("inf)" if (t.le is None and t.lt is None) or t.le == _FLOAT_MAX
           else f"{t.le!r}]" if t.le is not None else f"{t.lt!r})")
     return f"{lo}, {hi}"
 

@@ -623,17 +623,17 @@ def engine_args_fields() -> dict[str, dataclasses.Field]:
 
 
 __all__ = [
+    "SYNTHETIC_MODEL",
     "CacheConfig",
     "EngineArgs",
     "EngineConfig",
     "ExecutorConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
-    "LoRAConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
     "StructuredOutputsConfig",
     "TransportConfig",
-    "SYNTHETIC_MODEL",
     "default_cache_dir",
 ]

@@ -166,6 +166,17 @@ def read_rank_keys(path: str | None, wait_s: float = 0.0) -> CurveKeys:
     return keys.for_ranks()
 
 
-__all__ = ["CurveKeys", "KEYS_ENV", "curve_wanted", "default_key_file", "make_keys",
-           "new_context", "read_rank_keys", "secure_client", "secure_server", "set_heartbeats",
-           "start_authenticator", "write_rank_keys"]
+__all__ = [
+    "KEYS_ENV",
+    "CurveKeys",
+    "curve_wanted",
+    "default_key_file",
+    "make_keys",
+    "new_context",
+    "read_rank_keys",
+    "secure_client",
+    "secure_server",
+    "set_heartbeats",
+    "start_authenticator",
+    "write_rank_keys",
+]

@@ -29,9 +29,9 @@ from enginecore.core.kv_connector_hooks import (
 from enginecore.core.stat_logger import StatLogger
 from enginecore.executor.abstract import Executor, KVCacheConfig
 from enginecore.executor.factory import get_executor_class
+from enginecore.model.mm_registry import is_multimodal_architecture
 from enginecore.multimodal.cache import engine_receiver_cache_from_config
 from enginecore.multimodal.inputs import check_mm_features
-from enginecore.model.mm_registry import is_multimodal_architecture
 from enginecore.protocol import (
     EngineCoreRequest,
     decode_request,

@@ -281,7 +281,7 @@ class EngineIO:
                     sock.send(ENGINE_CORE_DEAD)
                 continue
             if not (0 <= client < len(sockets)
-                    or client == -1 and self._coordinator_input is not None):
+                    or (client == -1 and self._coordinator_input is not None)):
                 logger.error("engine %d: outputs for unknown front-end %r dropped",
                              self.engine_index, client)
                 continue
@@ -365,4 +365,4 @@ def _unscope(outs: Any, k: int) -> None:
         o.request_id = o.request_id[k:]
 
 
-__all__ = ["EngineIO", "FAIL_SILENTLY", "FATAL", "SHUTDOWN", "scoped_id"]
+__all__ = ["FAIL_SILENTLY", "FATAL", "SHUTDOWN", "EngineIO", "scoped_id"]

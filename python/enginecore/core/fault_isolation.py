@@ -166,7 +166,7 @@ class FaultIsolation:
         engine = self.engine
         try:
             engine.model_executor.execute_dummy_batch()
-        except Exception as e:  # noqa: BLE001 - the executor itself is broken
+        except Exception as e:  # the executor itself is broken
             raise ExecutorFailed(
                 f"EXECUTOR_FAILED: the executor fails even for a dummy batch ({type(e).__name__}:"
                 f" {e}) after request {rid!r} failed with {reason}") from e

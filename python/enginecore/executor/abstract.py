@@ -84,7 +84,7 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | None | Future:
+    ) -> ModelRunnerOutput | Future | None:
         ...
 
     def sample_tokens(self, grammar_output: Any = None, non_block: bool = False) -> Any:
@@ -138,7 +138,7 @@ class Executor(abc.ABC):
         for cb in self._failure_callbacks:
             try:
                 cb()
-            except Exception:  # noqa: BLE001 - a callback must not hide the failure
+            except Exception:  # a callback must not hide the failure
                 logger.exception("executor failure callback raised")
 
     def sleep(self, level: int = 1) -> None:

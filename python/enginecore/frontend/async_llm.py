@@ -287,7 +287,7 @@ class AsyncLLM:
                     metrics.record(iteration, outs.scheduler_stats, outs.engine_index)
         except asyncio.CancelledError:
             pass
-        except Exception as e:  # noqa: BLE001 - every stream must hear about it
+        except Exception as e:  # every stream must hear about it
             if not isinstance(e, EngineDeadError):
                 logger.exception("the output handler failed; failing every request")
                 e = EngineDeadError(f"the front-end's output handler failed: {e!r}")

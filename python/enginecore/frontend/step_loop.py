@@ -24,6 +24,7 @@ A token that ends a request as EOS or a stop token id is not detokenized unless
 
 from __future__ import annotations
 
+from enginecore.frontend.parallel_sampling import emit_parent_outputs
 from enginecore.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -31,7 +32,6 @@ from enginecore.outputs import (
     Logprob,
     RequestOutput,
 )
-from enginecore.frontend.parallel_sampling import emit_parent_outputs
 from enginecore.protocol import EngineCoreEventType, FinishReason
 
 _CUMULATIVE, _DELTA, _FINAL_ONLY = 0, 1, 2

@@ -44,7 +44,7 @@ class KVConnectorFactory:
             raise ValueError(f"unknown KV connector {name!r}; registered: "
                              f"{sorted(cls._registry)} (or set kv_connector_module_path)")
         if not (isinstance(connector_cls, type) and issubclass(connector_cls, KVConnectorBase_V1)):
-            raise ValueError(  # noqa: TRY004 - a config error, as the others
+            raise ValueError(  # a config error, as the others
                 f"KV connector {name!r} is not a KVConnectorBase_V1 subclass")
         return connector_cls
 

@@ -33,7 +33,7 @@ class KVTransferConfig:
             raise ValueError("kv_transfer_config.kv_load_failure_policy must be one of "
                              f"{get_args(KVLoadFailurePolicy)}, got {self.kv_load_failure_policy!r}")
         if not isinstance(self.kv_connector_extra_config, dict):
-            raise ValueError(  # noqa: TRY004 - a config error
+            raise ValueError(  # a config error
                 "kv_transfer_config.kv_connector_extra_config must be a JSON object")
         if self.engine_id is None:
             import uuid
@@ -66,7 +66,7 @@ class KVTransferConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ValueError("kv_transfer_config must be a JSON object")  # noqa: TRY004
+            raise ValueError("kv_transfer_config must be a JSON object")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:

@@ -82,7 +82,7 @@ def _named_list(value: Any, where: str) -> dict[str, str]:
         for entry in value:
             if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
                     and isinstance(entry.get("template"), str)):
-                raise ValueError(f"{where}: chat_template entries must be "  # noqa: TRY004
+                raise ValueError(f"{where}: chat_template entries must be "
                                  '{"name": str, "template": str}')
             out[entry["name"]] = entry["template"]
         return out

@@ -11,19 +11,25 @@ import numpy as np
 import torch
 
 from enginecore.config import EngineConfig
+from enginecore.kv_transfer.worker_hooks import ConnectorWorker, layer_name
 from enginecore.model.arch_config import LlamaArchConfig, load_arch_config
 from enginecore.model.attention import make_attention_metadata
 from enginecore.model.hf_loader import iterate_weights
-from enginecore.kv_transfer.worker_hooks import ConnectorWorker, layer_name
-from enginecore.model.lora_slots import LoRASlots
 from enginecore.model.llama import LlamaForCausalLM
 from enginecore.model.lora import LoRABatch, LoRAError, LoRAWeights, load_lora
-from enginecore.protocol import LoRARequest
+from enginecore.model.lora_slots import LoRASlots
 from enginecore.model.mm_registry import MULTIMODAL_ARCHITECTURES, is_multimodal_architecture
 from enginecore.model.mm_runner import MultiModalRunner
 from enginecore.model.multimodal_interface import supports_multimodal
 from enginecore.model.ngram_proposer import NgramProposer
-from enginecore.model.sampler import Sampler, SamplerOutput, SamplingRow, greedy_argmax, plain_greedy
+from enginecore.model.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    greedy_argmax,
+    plain_greedy,
+)
+from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
 from enginecore.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 

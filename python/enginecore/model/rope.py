@@ -11,8 +11,8 @@ import math
 import torch
 
 from enginecore import _native
-from enginecore.model.fused_ops import NATIVE_DTYPES
 from enginecore.model.arch_config import LlamaArchConfig
+from enginecore.model.fused_ops import NATIVE_DTYPES
 
 
 def rope_inv_freq(cfg: LlamaArchConfig) -> torch.Tensor:

@@ -8,9 +8,7 @@ holds the item; the engine's receiver cache then fills it in by ``identifier``.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 

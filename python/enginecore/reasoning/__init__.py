@@ -6,12 +6,12 @@ from enginecore.reasoning.abs_reasoning_parsers import (
     ReasoningParserManager,
     ReasoningSplit,
 )
+from enginecore.reasoning.resolve import resolve_reasoning_parser
 from enginecore.reasoning.think_parsers import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
     ThinkTagReasoningParser,
 )
-from enginecore.reasoning.resolve import resolve_reasoning_parser
 
 __all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser",
            "ReasoningParserManager", "ReasoningSplit", "ThinkTagReasoningParser",

@@ -17,7 +17,14 @@ from typing import Any
 
 from enginecore import _native
 from enginecore.sched.arg_checks import (
-    boolean, check_hashable, int32, int64, int64_error, number, token_list)
+    boolean,
+    check_hashable,
+    int32,
+    int64,
+    int64_error,
+    number,
+    token_list,
+)
 from enginecore.sched.block_hash import chain_hashes_py
 from enginecore.sched.block_pool import PyBlockPool
 

@@ -21,9 +21,15 @@ from typing import Any, NamedTuple
 
 from enginecore import _native
 from enginecore.sched.arg_checks import (
-    HASHABLE_MAX, INT64_MAX, INT64_MIN, boolean, check_hashable, int64, token_list)
-from enginecore.sched.request_table import (
-    PREEMPTED, RUNNING, STOP_TOKEN, PyRequestTable)
+    HASHABLE_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    boolean,
+    check_hashable,
+    int64,
+    token_list,
+)
+from enginecore.sched.request_table import PREEMPTED, RUNNING, STOP_TOKEN, PyRequestTable
 
 
 class RunningSchedule(NamedTuple):

@@ -46,8 +46,8 @@ from enginecore.entrypoints.openai.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from enginecore.entrypoints.openai.responses_protocol import ResponsesRequest
 from enginecore.entrypoints.openai.request_limits import off_loop
+from enginecore.entrypoints.openai.responses_protocol import ResponsesRequest
 from enginecore.entrypoints.openai.serving_chat import OpenAIServingChat
 from enginecore.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from enginecore.entrypoints.openai.serving_embedding import (
