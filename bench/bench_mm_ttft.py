@@ -31,8 +31,8 @@ def ttft(eng: EngineCore, req) -> float:
 
 
 def main() -> None:
-    print(subprocess.run(["sh", "-c", "lscpu | grep 'Model name'"], capture_output=True, check=False,
-                         text=True).stdout.strip())
+    print(subprocess.run(["sh", "-c", "lscpu | grep 'Model name'"], capture_output=True,
+                         check=False, text=True).stdout.strip())
     with tempfile.TemporaryDirectory() as d:
         model = make_tiny_qwen2_vl(d)
         eng = EngineCore(EngineArgs(model=model, dtype="float32", max_model_len=512,

@@ -254,7 +254,8 @@ def _weight_bytes(model_dir: str) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
     d = h // heads
     per_layer = h * (heads * d + 2 * kv * d) + heads * d * h + 3 * h * i + 2 * h
     return n * per_layer + cfg["vocab_size"] * h + h

@@ -259,7 +259,8 @@ def _sample(name: str, **labels) -> float:
 def test_metrics_reach_the_registry(engine, aloop):
     model = engine.model_config.model
     before = {n: _sample(n, model_name=model) for n in (
-        "enginecore:time_to_first_token_seconds_count", "enginecore:request_queue_time_seconds_count",
+        "enginecore:time_to_first_token_seconds_count",
+        "enginecore:request_queue_time_seconds_count",
         "enginecore:e2e_request_latency_seconds_count", "enginecore:generation_tokens_total",
         "enginecore:inter_token_latency_seconds_count")}
     aloop.run(collect(engine, "metrics", SamplingParams(max_tokens=8, **GREEDY), "m1"))

@@ -118,7 +118,8 @@ def test_log_level_default():
 
 @pytest.mark.parametrize("argv, says", [
     (["generate", "hi", "--max-tokens", "-3"], "error: --max-tokens must be "),
-    (["generate", "hi", "--temperature", "-1"], "--temperature must be a finite number in [0.0, inf), got -1.0"),
+    (["generate", "hi", "--temperature", "-1"],
+     "--temperature must be a finite number in [0.0, inf), got -1.0"),
     (["generate", "hi", "--top-p", "0"], "--top-p must be a finite number in (0.0, 1.0], got 0.0"),
     (["generate", "hi", "--max-tokens", "x"], "argument --max-tokens: invalid int value"),
     (["generate", "hi", "--dtype", "float99"], "unsupported dtype 'float99'"),

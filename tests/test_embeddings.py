@@ -78,7 +78,8 @@ def test_generation_model_refuses_embedding(tmp_path):
     from tiny_models import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "m"))
-    eng = EngineCore(EngineArgs(model=path, dtype="float32", max_model_len=64).create_engine_config())
+    eng = EngineCore(
+        EngineArgs(model=path, dtype="float32", max_model_len=64).create_engine_config())
     eng.add_request(EngineCoreRequest("e", [3, 4], pooling_params=PoolingParams()))
     res = run_to_completion(eng)
     assert res["e"]["finish_reason"] is FinishReason.ERROR

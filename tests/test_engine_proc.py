@@ -312,8 +312,10 @@ def test_two_front_ends_get_only_their_own_outputs(hot_path):
     second = primary.attach(1)
     try:
         for i in range(10):
-            primary.add_request(EngineCoreRequest(f"p{i}", [1, i + 2], SamplingParams(max_tokens=4)))
-            second.add_request(EngineCoreRequest(f"s{i}", [2, i + 2], SamplingParams(max_tokens=4)))
+            primary.add_request(
+                EngineCoreRequest(f"p{i}", [1, i + 2], SamplingParams(max_tokens=4)))
+            second.add_request(
+                EngineCoreRequest(f"s{i}", [2, i + 2], SamplingParams(max_tokens=4)))
         got_p = drain(primary, {f"p{i}" for i in range(10)})
         got_s = drain(second, {f"s{i}" for i in range(10)})
         assert set(got_p) == {f"p{i}" for i in range(10)}

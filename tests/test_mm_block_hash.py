@@ -48,7 +48,8 @@ def reference_hashes(tokens, items, extra=b""):
 
 def test_block_keys_name_every_overlapping_item():
     keys = mm_block_extra_keys([(9, 2, "b"), (3, 6, "a")], BS)
-    assert keys == [encode_extra_keys(["a"]), encode_extra_keys(["a"]), encode_extra_keys(["a", "b"])]
+    assert keys == [encode_extra_keys(["a"]), encode_extra_keys(["a"]),
+                    encode_extra_keys(["a", "b"])]
     assert mm_block_extra_keys([(4, 4, "a")], BS) == [b"", encode_extra_keys(["a"])]
     assert mm_block_extra_keys([], BS) == []
 
@@ -72,7 +73,8 @@ def test_an_image_in_the_tail_block_keys_it_when_output_fills_it(hot_path):
     assert req.block_hashes == reference_hashes(tokens + [3, 3], [(5, 2, "img-a")])
     other = request(tokens, [image("img-b", 5, 2)], request_id="o")
     other.table.append_token_ids(other.slot, [3, 3])
-    assert other.block_hashes[0] == req.block_hashes[0] and other.block_hashes[1] != req.block_hashes[1]
+    assert other.block_hashes[0] == req.block_hashes[0]
+    assert other.block_hashes[1] != req.block_hashes[1]
 
 
 def test_two_images_with_the_same_placeholders_share_only_the_text_before_them(hot_path):
@@ -83,7 +85,8 @@ def test_two_images_with_the_same_placeholders_share_only_the_text_before_them(h
     assert a.block_hashes[0] == b.block_hashes[0] == text.block_hashes[0]  # block 0: text only
     assert all(x != y for x, y in zip(a.block_hashes[1:], b.block_hashes[1:]))
     assert a.block_hashes[1] != text.block_hashes[1]
-    assert request(tokens, [image("img-a", offset=5)], request_id="a2").block_hashes == a.block_hashes
+    again = request(tokens, [image("img-a", offset=5)], request_id="a2")
+    assert again.block_hashes == a.block_hashes
 
 
 def test_row_state_carries_the_block_keys_across_tables_and_kinds(hot_path):

@@ -175,4 +175,5 @@ def test_reset_encoder_cache_refused_while_needed(tiny_qwen2_vl):
     eng.add_request(request(tiny_qwen2_vl, "again", PROMPT_ONE, [random_image(60, 90, 4)])[0])
     run_to_completion(eng)
     assert _runner(eng).mm.num_encoded == 2  # encoded again after the reset
-    assert not _runner(eng).mm.encoder_cache.keys() - eng.scheduler.encoder_cache_manager.cached.keys()
+    assert not (_runner(eng).mm.encoder_cache.keys()
+                - eng.scheduler.encoder_cache_manager.cached.keys())

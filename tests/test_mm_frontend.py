@@ -50,7 +50,8 @@ def huge_png(width=30000, height=30000):
     """A valid PNG header for a 30,000 x 30,000 image: a few bytes that would decode
     to 2.7 GB."""
     def chunk(kind, body):
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body)))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
             + chunk(b"IEND", b""))
@@ -69,7 +70,8 @@ def test_processing_equals_the_hf_processor(qwen_dir, sizes):
     assert torch.equal(pixels, ref["pixel_values"]) and torch.equal(grids, ref["image_grid_thw"])
     image_id = ip.mm_processor.image_token_id
     for f in req.mm_features:
-        span = req.prompt_token_ids[f.mm_position.offset:f.mm_position.offset + f.mm_position.length]
+        start = f.mm_position.offset
+        span = req.prompt_token_ids[start:start + f.mm_position.length]
         assert span == [image_id] * f.mm_position.length
     # Same pixels: same identifier; other pixels of the same size: another one.
     _, again = ip.process_inputs("s", {"prompt": text, "multi_modal_data": {"image": images}}, None)
@@ -130,7 +132,8 @@ def test_bad_images_are_value_errors_naming_the_problem(qwen_dir, tiny_chat_mode
 
 
 def feature(identifier, nbytes, offset=0):
-    data = {"pixel_values": tensor_to_wire(torch.full((nbytes,), hash(identifier) % 200, dtype=torch.uint8))}
+    data = {"pixel_values": tensor_to_wire(
+        torch.full((nbytes,), hash(identifier) % 200, dtype=torch.uint8))}
     return MultiModalFeatureSpec("image", identifier, PlaceholderRange(offset, 1), data)
 
 
@@ -154,7 +157,8 @@ def test_sender_and_receiver_caches_agree_under_eviction():
     sender.clear()
     receiver.clear()
     with pytest.raises(ValueError, match="does not hold it"):
-        receiver.get_and_update_features([MultiModalFeatureSpec("image", "img0", PlaceholderRange(0, 1))])
+        receiver.get_and_update_features(
+            [MultiModalFeatureSpec("image", "img0", PlaceholderRange(0, 1))])
 
 
 def test_the_same_image_in_8_concurrent_requests_crosses_the_wire_once(qwen_dir, hot_path):

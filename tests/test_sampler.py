@@ -93,7 +93,8 @@ def test_penalties_change_the_distribution_as_documented():
     assert got[0, 1] == pytest.approx(1.0 - 0.5 - 0.25)
     assert got[0, 0] == 2.0
     # a strong repetition penalty moves greedy off the repeated token
-    out = s(logits, [row(SamplingParams(temperature=0, repetition_penalty=5.0), out=[0], prompt=[7])])
+    out = s(logits, [row(SamplingParams(temperature=0, repetition_penalty=5.0),
+                         out=[0], prompt=[7])])
     assert out.token_ids == [1]
 
 

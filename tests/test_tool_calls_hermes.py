@@ -1,7 +1,8 @@
 """``tool_choice: "auto"`` with ``--tool-call-parser hermes`` end to end, on a tiny
-random Qwen-style model (Qwen2 weights, ChatML tokens, a Qwen-like template) whose output is forced with a regex: the calls are parsed exactly,
-streamed and not, through the official openai client; the conversation round
-trip renders the calls and the tool answers."""
+random Qwen-style model (Qwen2 weights, ChatML tokens, a Qwen-like template) whose
+output is forced with a regex: the calls are parsed exactly, streamed and not, through
+the official openai client; the conversation round trip renders the calls and the tool
+answers."""
 
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ def make_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) 
         # Make the q/k/v biases matter.
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     elif kind in _CLASSES:
         name = _CLASSES[kind]

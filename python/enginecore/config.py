@@ -237,7 +237,8 @@ class EngineArgs:
         "(default: sized from memory)")
     kv_cache_memory_bytes: int | None = arg(
         None, G_CACHE, "bytes of KV cache, e.g. 512M or 4G (default: on CPU a share of free RAM, "
-        "capped; on CUDA what gpu_memory_utilization leaves after a profile run)", parse="human_int")
+        "capped; on CUDA what gpu_memory_utilization leaves after a profile run)",
+        parse="human_int")
     gpu_memory_utilization: float = arg(
         0.9, G_CACHE, "CUDA: fraction of device memory the engine may use in all, in (0, 1]; "
         "no effect on CPU")
@@ -336,7 +337,8 @@ class EngineArgs:
         metavar="CPUS")
     synthetic_step_latency_s: float = arg(0.0, G_ENGINE, "synthetic executor: seconds per step")
     synthetic_vocab_size: int = arg(32000, G_ENGINE, "synthetic model: vocabulary size")
-    synthetic_eos_token_id: int | None = arg(None, G_ENGINE, "synthetic model: its EOS token (default: none)")
+    synthetic_eos_token_id: int | None = arg(
+        None, G_ENGINE, "synthetic model: its EOS token (default: none)")
     synthetic_moe: bool = arg(
         False, G_ENGINE, "synthetic model: report itself as mixture-of-experts (data-parallel "
         "lockstep by default)")

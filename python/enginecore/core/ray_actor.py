@@ -36,8 +36,9 @@ class DPEngineCoreActor:
         """Build the engine; (num_gpu_blocks, max_model_len) once it is ready."""
         from enginecore.core.engine_process import engine_core_proc_class
 
-        self.engine = engine_core_proc_class(self._config)(self._config, None, self._executor_class, self._log_stats,
-                          self.engine_index, init=self._init)
+        self.engine = engine_core_proc_class(self._config)(
+            self._config, None, self._executor_class, self._log_stats,
+            self.engine_index, init=self._init)
         return (self._config.cache_config.num_gpu_blocks or 0, self.engine.scheduler.max_model_len)
 
     def run(self) -> None:

@@ -42,7 +42,8 @@ def run_headless(args: argparse.Namespace) -> int:
             logger.info("reading the front-end's CURVE keys from %s (waiting up to %.0f s "
                         "for it to write them)", path, args.handshake_timeout)
             tc.curve_keys = read_rank_keys(path, wait_s=args.handshake_timeout)
-    except (RuntimeError, ValueError, OSError, msgspec.MsgspecError) as e:  # no keys / no CURVE: the operator's to fix
+    # no keys / no CURVE: the operator's to fix
+    except (RuntimeError, ValueError, OSError, msgspec.MsgspecError) as e:
         raise UserError(" ".join(str(e).split())) from e
     address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port}"
     ranks = range(pc.data_parallel_start_rank, pc.data_parallel_start_rank +

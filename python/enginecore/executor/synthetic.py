@@ -135,7 +135,8 @@ class SyntheticExecutor(Executor):
                 state.pop(rid, None)
             new_computed: dict[str, int] = {}
             for new in so.scheduled_new_reqs:
-                seed = request_seed(new.sampling_params.seed, new.token_ids[: new.num_prompt_tokens])
+                seed = request_seed(new.sampling_params.seed,
+                                    new.token_ids[: new.num_prompt_tokens])
                 state[new.req_id] = [seed, len(new.token_ids)]
                 new_computed[new.req_id] = new.num_computed_tokens
             cached = so.scheduled_cached_reqs

@@ -31,7 +31,8 @@ class KVTransferConfig:
                              f"got {self.kv_role!r}")
         if self.kv_load_failure_policy not in get_args(KVLoadFailurePolicy):
             raise ValueError("kv_transfer_config.kv_load_failure_policy must be one of "
-                             f"{get_args(KVLoadFailurePolicy)}, got {self.kv_load_failure_policy!r}")
+                             f"{get_args(KVLoadFailurePolicy)}, "
+                             f"got {self.kv_load_failure_policy!r}")
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError(  # a config error
                 "kv_transfer_config.kv_connector_extra_config must be a JSON object")

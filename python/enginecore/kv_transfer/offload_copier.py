@@ -103,7 +103,8 @@ class OffloadCopier:
     def _copy(self, job: CopyJob) -> None:
         blocks = torch.tensor(job.block_ids, dtype=torch.long, device=self.device)
         slots = torch.tensor(job.slots, dtype=torch.long)
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        ctx = (torch.cuda.stream(self._stream) if self._stream is not None
+               else contextlib.nullcontext())
         with ctx:
             for layer, kv in enumerate(self.kv_caches):
                 if job.kind == STORE:

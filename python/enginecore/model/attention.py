@@ -92,7 +92,8 @@ def make_attention_metadata(slot_mapping: np.ndarray, query_start_loc: np.ndarra
     sl = np.ascontiguousarray(seq_lens, dtype=np.int32)
     bt = np.ascontiguousarray(block_table, dtype=np.int32)
     return AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(device),
+        slot_mapping=torch.from_numpy(
+            np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(device),
         query_start_loc=torch.from_numpy(qs).to(device),
         seq_lens=torch.from_numpy(sl).to(device),
         block_table=torch.from_numpy(bt).to(device),

@@ -50,7 +50,8 @@ def load_bert_config(model_dir: str) -> BertConfig:
         hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=cfg["num_attention_heads"], intermediate_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"],
-        type_vocab_size=cfg.get("type_vocab_size", 2), layer_norm_eps=cfg.get("layer_norm_eps", 1e-12))
+        type_vocab_size=cfg.get("type_vocab_size", 2),
+        layer_norm_eps=cfg.get("layer_norm_eps", 1e-12))
 
 
 def load_pooler_config(model_dir: str) -> PoolerConfig:

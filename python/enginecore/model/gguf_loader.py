@@ -145,7 +145,8 @@ def convert_gguf(gguf_path: str, out_dir: str, progress: bool = True) -> None:
     bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_QUANT_TYPES))
     if bad:
         raise ValueError(
-            f"unsupported GGUF tensor types {bad} in {gguf_path}; supported: {SUPPORTED_QUANT_TYPES}"
+            f"unsupported GGUF tensor types {bad} in {gguf_path}; "
+            f"supported: {SUPPORTED_QUANT_TYPES}"
         )
     tensors: dict[str, np.ndarray] = {}
     bar = tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress)

@@ -34,9 +34,11 @@ def cpu_packs_bf16() -> bool:
 
 
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
-    if os.environ.get("ENGINECORE_PACK_WEIGHTS", "1").strip().lower() in ("0", "false", "no", "off"):
+    flag = os.environ.get("ENGINECORE_PACK_WEIGHTS", "1").strip().lower()
+    if flag in ("0", "false", "no", "off"):
         return False
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and cpu_packs_bf16())
 
 

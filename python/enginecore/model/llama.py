@@ -237,11 +237,14 @@ class LlamaForCausalLM:
         """Bytes of the weights as held (a tied model's packed LM head not counted)."""
         def size(t) -> int:
             if isinstance(t, Linear):
-                return t.nbytes() - (0 if t.bias is None else t.bias.numel() * t.bias.element_size())
+                bias = 0 if t.bias is None else t.bias.numel() * t.bias.element_size()
+                return t.nbytes() - bias
             return 0 if t is None else t.numel() * t.element_size()
 
-        total = size(self.embed) + size(self.norm) + (0 if self.tied else self.lm_head_proj.nbytes())
-        return total + sum(size(getattr(L, name)) for L in self.layers for name in LlamaLayer.__slots__)
+        total = (size(self.embed) + size(self.norm)
+                 + (0 if self.tied else self.lm_head_proj.nbytes()))
+        return total + sum(size(getattr(L, name))
+                           for L in self.layers for name in LlamaLayer.__slots__)
 
     # -- forward -----------------------------------------------------------------------
     def rotary(self, positions: torch.Tensor) -> RotaryStep:

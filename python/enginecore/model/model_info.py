@@ -94,7 +94,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
             return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return "bfloat16" if cpu_has_native_bf16() else "float32"
     if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, float32, bfloat16, float16")
+        raise ValueError(
+            f"unsupported dtype {dtype!r}; supported: auto, float32, bfloat16, float16")
     resolved = _DTYPES[dtype]
     if resolved == "float16" and device == "cpu":
         raise ValueError("float16 is not supported on CPU; use bfloat16 or float32")

@@ -31,7 +31,8 @@ class SupportsMultiModal(Protocol):
         """The token id the processor expands one item of ``modality`` into."""
         ...
 
-    def get_multimodal_embeddings(self, modality: str, **tensors: torch.Tensor) -> list[torch.Tensor]:
+    def get_multimodal_embeddings(self, modality: str,
+                                  **tensors: torch.Tensor) -> list[torch.Tensor]:
         """One ``[num_placeholder_tokens, hidden_size]`` tensor per item of a batch of
         processed items of one modality (``tensors``: the processor's outputs, e.g.
         ``pixel_values``, stacked as the HF model's forward takes them)."""
@@ -70,7 +71,8 @@ def merge_multimodal_embeddings(
     expected = int(is_multimodal.sum())
     if multimodal_embeddings.shape[0] != expected:
         raise ValueError(
-            f"{multimodal_embeddings.shape[0]} multimodal embedding rows for {expected} placeholder tokens"
+            f"{multimodal_embeddings.shape[0]} multimodal embedding rows for {expected} "
+            "placeholder tokens"
         )
     merged = inputs_embeds.clone()
     merged[is_multimodal] = multimodal_embeddings.to(merged.dtype)

@@ -137,8 +137,10 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         return super().weight_bytes() + self.visual.weight_bytes()
 
     # -- multimodal --------------------------------------------------------------------
-    def embed_multimodal(self, pixel_values: torch.Tensor,
-                         image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def embed_multimodal(
+        self, pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor | Sequence[Sequence[int]],
+    ) -> list[torch.Tensor]:
         """The vision encoder on one or more images: [tokens_i, hidden] per image."""
         grids = image_grid_thw.tolist() if isinstance(image_grid_thw, torch.Tensor) \
             else [list(g) for g in image_grid_thw]

@@ -122,7 +122,8 @@ class Qwen2VisionEncoder:
 
     # -- weights ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Tensors named as under transformers' ``visual.`` prefix (``blocks.0.attn.qkv.weight``)."""
+        """Tensors named as under transformers' ``visual.`` prefix
+        (``blocks.0.attn.qkv.weight``)."""
         cfg = self.cfg
         parts: dict[str, torch.Tensor] = {}
         for name, t in weights:
@@ -162,7 +163,8 @@ class Qwen2VisionEncoder:
         linears = [self.merger_fc1, self.merger_fc2] + [
             getattr(b, n) for b in self.blocks for n in ("qkv", "proj", "fc1", "fc2")]
         norms = [self.merger_ln_w, self.merger_ln_b] + [
-            getattr(b, n) for b in self.blocks for n in ("norm1_w", "norm1_b", "norm2_w", "norm2_b")]
+            getattr(b, n) for b in self.blocks
+            for n in ("norm1_w", "norm1_b", "norm2_w", "norm2_b")]
         return (sum(x.nbytes() for x in linears) + sum(t.numel() * t.element_size() for t in norms)
                 + self.patch_w.numel() * self.patch_w.element_size())
 

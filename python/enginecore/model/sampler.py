@@ -99,7 +99,8 @@ class Sampler:
         if random_idx:
             tokens = greedy_tokens.clone()
             idx = torch.tensor(random_idx, dtype=torch.long)
-            sampled = self._sample_random(logits.index_select(0, idx), [rows[i] for i in random_idx])
+            sampled = self._sample_random(logits.index_select(0, idx),
+                                          [rows[i] for i in random_idx])
             tokens.index_copy_(0, idx, sampled)
         token_list = tokens.tolist()
         logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(rows)

@@ -90,7 +90,8 @@ def tensor_to_wire(tensor: torch.Tensor) -> MultiModalTensor:
 
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in _DTYPES:
-        raise ValueError(f"multimodal tensor dtype {tensor.dtype} is not supported: {sorted(_DTYPES)}")
+        raise ValueError(
+            f"multimodal tensor dtype {tensor.dtype} is not supported: {sorted(_DTYPES)}")
     flat = tensor.detach().to("cpu").contiguous()
     # Bytes through a uint8 view: numpy has no bfloat16.
     raw = flat.reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -110,7 +111,8 @@ def tensor_from_wire(item: MultiModalTensor) -> torch.Tensor:
     import torch
 
     if item.dtype not in _DTYPES:
-        raise ValueError(f"multimodal tensor dtype {item.dtype!r} is not supported: {sorted(_DTYPES)}")
+        raise ValueError(
+            f"multimodal tensor dtype {item.dtype!r} is not supported: {sorted(_DTYPES)}")
     if tensor_nbytes(item) != len(item.data):
         raise ValueError(
             f"multimodal tensor of shape {item.shape} {item.dtype} needs "
@@ -146,17 +148,21 @@ def check_mm_features(
                 f"is outside the prompt of {num_prompt_tokens} tokens"
             )
         if index and position.offset < previous_end:
-            raise ValueError(f"mm_features: item {feature.identifier!r} overlaps another item's placeholder")
+            raise ValueError(f"mm_features: item {feature.identifier!r} overlaps another "
+                             "item's placeholder")
         previous_end = position.offset + position.length
         item_bytes = 0
         for name, tensor in (feature.data or {}).items():
             if tensor.dtype not in _DTYPES:
-                raise ValueError(f"mm_features: {name} dtype {tensor.dtype!r} is not supported: {sorted(_DTYPES)}")
+                raise ValueError(f"mm_features: {name} dtype {tensor.dtype!r} is not "
+                                 f"supported: {sorted(_DTYPES)}")
             if tensor_nbytes(tensor) != len(tensor.data):
-                raise ValueError(f"mm_features: {name} bytes do not match shape {tensor.shape} {tensor.dtype}")
+                raise ValueError(f"mm_features: {name} bytes do not match shape "
+                                 f"{tensor.shape} {tensor.dtype}")
             item_bytes += len(tensor.data)
         if item_bytes > max_item_bytes:
-            raise ValueError(f"mm_features: item {feature.identifier!r} is {item_bytes} bytes, over {max_item_bytes}")
+            raise ValueError(f"mm_features: item {feature.identifier!r} is {item_bytes} "
+                             f"bytes, over {max_item_bytes}")
         total += item_bytes
     if total > max_request_bytes:
         raise ValueError(f"mm_features: request carries {total} bytes, over {max_request_bytes}")
