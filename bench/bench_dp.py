@@ -70,7 +70,7 @@ def test_wave_allreduce_cost(benchmark):
     """The every-SYNC_EVERY-steps all-reduce between two ranks (gloo, loopback),
     with the vector the ranks really reduce (work, 3 calls x fewest/most)."""
     benchmark.group = "dp_allreduce[2 ranks, gloo loopback]"
-    store, address = host_store("127.0.0.1")
+    _store, address = host_store("127.0.0.1")
     peer = multiprocessing.get_context("spawn").Process(target=_peer, args=(address,))
     peer.start()
     try:

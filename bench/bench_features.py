@@ -60,7 +60,7 @@ def decode_ms_per_step(variant: str, adapter: str) -> float:
     t0 = time.perf_counter()
     steps = 0
     while eng.scheduler.has_requests():
-        outputs, executed = eng.step()
+        _outputs, executed = eng.step()
         eng.post_step(executed)
         steps += 1
     return 1e3 * (time.perf_counter() - t0) / steps

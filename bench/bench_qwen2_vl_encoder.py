@@ -63,7 +63,7 @@ def main() -> None:
             enc = ours_from(ref, dtype)
             grids = grid.tolist()
             rows.append((f"enginecore {str(dtype)[6:]}", images_per_s(
-                lambda p, _: enc.forward(p, grids), pixels, grid)))
+                lambda p, _, enc=enc, grids=grids: enc.forward(p, grids), pixels, grid)))
         ref_bf16 = ref.to(torch.bfloat16)
         rows.append(("transformers bfloat16", images_per_s(
             lambda p, gr: ref_bf16(p.bfloat16(), grid_thw=gr), pixels, grid)))

@@ -111,7 +111,7 @@ def main() -> None:
             model=model_dir, device=a.device, dtype=a.dtype, block_size=per_block,
             max_model_len=a.prompt_len + a.output_len + per_block,
             num_gpu_blocks_override=tokens // per_block + max(batches) + 8,
-            max_num_seqs=max(256, max(batches))).create_engine_config())
+            max_num_seqs=max(256, *batches)).create_engine_config())
         # Warm-up both (kernels, allocator, transformers' first-call work).
         run_enginecore(eng, 2, a.prompt_len, 4, vocab, a.device)
         run_transformers(ref, 2, a.prompt_len, 4, vocab, a.device)

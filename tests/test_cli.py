@@ -204,7 +204,7 @@ def interrupt(argv: list[str], after: float | None = None, wait_for: str | None 
     as a terminal's Ctrl-C does (its engine processes get it too)."""
     proc = subprocess.Popen(script or [*CLI, *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=_sigint_as_from_a_terminal)
+                            preexec_fn=_sigint_as_from_a_terminal)  # noqa: PLW1509 - intended
     try:
         if wait_for is not None:
             deadline = time.monotonic() + 120

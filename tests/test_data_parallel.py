@@ -200,7 +200,7 @@ def test_headless_rank_joins_a_front_end_on_loopback():
             c.shutdown()
     finally:
         headless.terminate()
-        out, err = headless.communicate(timeout=30)
+        out, _err = headless.communicate(timeout=30)
     assert "joining tcp://127.0.0.1" in out
 
 
@@ -295,5 +295,5 @@ def test_headless_rank_death_and_front_end_death_are_noticed():
     finally:
         if headless.poll() is None:
             headless.kill()
-        out, err = headless.communicate(timeout=30)
+        _out, err = headless.communicate(timeout=30)
     assert "went away" in err, err[-2000:]

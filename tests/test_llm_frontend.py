@@ -36,7 +36,7 @@ def test_stop_strings_n_and_logprobs(llm):
     assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
 
     sp = SamplingParams(n=3, seed=5, max_tokens=8, ignore_eos=True, logprobs=2)
-    a, b = llm.generate(["one", "two"], sp, use_tqdm=False)
+    a, _b = llm.generate(["one", "two"], sp, use_tqdm=False)
     assert [c.index for c in a.outputs] == [0, 1, 2]
     (again,) = llm.generate("one", sp, use_tqdm=False)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in a.outputs]

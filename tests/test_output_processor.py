@@ -89,7 +89,7 @@ def test_text_is_tokenizer_decode_for_every_kind(tok, hot_path, skip):
             assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
             if kind == DELTA:
                 texts[kind] = "".join(o.outputs[0].text for o in outs)
-                assert sum((o.outputs[0].token_ids for o in outs), []) == ids
+                assert [t for o in outs for t in o.outputs[0].token_ids] == ids
             else:
                 texts[kind] = outs[-1].outputs[0].text
                 assert outs[-1].outputs[0].token_ids == ids

@@ -14,7 +14,7 @@ from enginecore.reasoning.streaming import ReasoningStream
 from enginecore.reasoning.structured import after_reasoning
 from enginecore.sampling_params import SamplingParams, StructuredOutputsParams
 
-R1_PROMPT = "<｜User｜>hi<｜Assistant｜><think>\n"
+R1_PROMPT = "<｜User｜>hi<｜Assistant｜><think>\n"  # noqa: RUF001 - DeepSeek-R1's tokens use U+FF5C
 QWEN_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 QWEN_NO_THINK = QWEN_PROMPT + "<think>\n\n</think>\n\n"
 

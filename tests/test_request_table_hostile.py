@@ -270,7 +270,7 @@ def test_overflowing_counts_are_refused_not_wrapped():
 def test_rows_no_export_makes_are_refused():
     for name in ("import_num_prompt_past_tokens", "import_num_prompt_negative",
                  "import_cached_without_blocks", "import_more_hashes_than_blocks"):
-        assert both(lambda table, sched, update: FIXED[name](table)) == ("ValueError",)
+        assert both(lambda table, sched, update, name=name: FIXED[name](table)) == ("ValueError",)
 
 
 @pytest.mark.parametrize("args", [(2**31, True), (0, True), (4, "yes"), (1.5, True)])

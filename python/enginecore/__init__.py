@@ -7,11 +7,11 @@ from enginecore.omp_env import apply_default_wait_policy
 
 apply_default_wait_policy()
 
-from enginecore._native import native_available
-from enginecore.config import EngineArgs, EngineConfig
-from enginecore.core.engine_core import EngineCore
-from enginecore.errors import EngineDeadError, EngineGenerateError
-from enginecore.protocol import (
+from enginecore._native import native_available  # noqa: E402 - after the wait policy
+from enginecore.config import EngineArgs, EngineConfig  # noqa: E402
+from enginecore.core.engine_core import EngineCore  # noqa: E402
+from enginecore.errors import EngineDeadError, EngineGenerateError  # noqa: E402
+from enginecore.protocol import (  # noqa: E402
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -22,8 +22,8 @@ from enginecore.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from enginecore.sampling_params import RequestOutputKind, SamplingParams
-from enginecore.sched.block_hash import block_hashes
+from enginecore.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from enginecore.sched.block_hash import block_hashes  # noqa: E402
 
 __version__ = "0.1.0"
 

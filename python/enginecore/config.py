@@ -362,7 +362,7 @@ class EngineArgs:
     structured_outputs_mask_budget_ms: float = arg(
         10.0, G_TRANSPORT, "CPU milliseconds one request's structured-output token mask may "
         "take in a step; a constraint that needs more is that request's error")
-    kv_transfer_config: KVTransferConfig | None = arg(
+    kv_transfer_config: KVTransferConfig | None = arg(  # noqa: RUF009 - None default
         None, G_KV_TRANSFER, "the KV connector, as vLLM's JSON: kv_connector (a name such as "
         "SharedStorageConnector), kv_role (kv_producer, kv_consumer, kv_both), "
         "kv_connector_extra_config, kv_load_failure_policy (recompute, fail), "

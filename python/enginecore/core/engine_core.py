@@ -247,7 +247,7 @@ class EngineCore(EngineCoreUtilities):
         reason ERROR; a duplicate live id raises ``ValueError`` and leaves the
         first untouched."""
         if isinstance(request, EngineCoreRequest):
-            request, request_wave = self.preprocess_add_request(request)
+            request, _wave = self.preprocess_add_request(request)
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
         if request.request_id in self.scheduler.requests:

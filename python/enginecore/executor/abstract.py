@@ -153,10 +153,10 @@ class Executor(abc.ABC):
     def is_sleeping(self) -> bool:
         return self._sleeping_level > 0
 
-    def profile(self, is_start: bool = True) -> None:
+    def profile(self, is_start: bool = True) -> None:  # noqa: B027 - optional hook
         pass
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
 
     # -- LoRA ------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ class ThreadPlan:
 def parse_cpu_list(text: str) -> list[int]:
     """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11] (Linux's cpulist format)."""
     cpus: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
+    for raw in text.split(","):
+        part = raw.strip()
         if not part:
             continue
         lo, sep, hi = part.partition("-")

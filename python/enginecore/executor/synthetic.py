@@ -52,11 +52,10 @@ def synthetic_sample_py(
     computed.update(new_computed)
     req_ids = list(scheduled)
     sampled: list[list[int]] = []
-    for rid, n in scheduled.items():
+    for rid, num_scheduled in scheduled.items():
         st = state[rid]
         drafts = spec.get(rid)
-        if drafts:
-            n -= len(drafts)
+        n = num_scheduled - len(drafts) if drafts else num_scheduled
         if computed[rid] + n < st[1]:
             sampled.append([])  # mid-prefill chunk: nothing to sample
             continue

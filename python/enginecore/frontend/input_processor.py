@@ -390,7 +390,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     out = []
-    for i, msg in enumerate(messages):
+    for i, given in enumerate(messages):
+        msg = given
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise ValueError(f"messages[{i}] must be a dict with a str 'role'")
         content = msg.get("content")

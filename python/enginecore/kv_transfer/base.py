@@ -68,7 +68,7 @@ class KVConnectorBase_V1(ABC):
         assert self._connector_metadata is not None, "no connector metadata bound"
         return self._connector_metadata
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Once at start-up: layer name -> that layer's KV-cache tensor."""
 
     @abstractmethod
@@ -98,7 +98,7 @@ class KVConnectorBase_V1(ABC):
         """Block ids whose load failed (kv_load_failure_policy decides what happens)."""
         return set()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, files, sockets)."""
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
@@ -109,10 +109,10 @@ class KVConnectorBase_V1(ABC):
         """Worker side: metadata peers need to reach this worker (P/D)."""
         return None
 
-    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:  # noqa: B027 - optional hook
         """Where a host buffer is used: the device <-> host copy function."""
 
-    def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
+    def handle_preemptions(self, preempted_req_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Worker side, before the step: these requests were preempted (their blocks
         may be reused); finish or cancel what touches them."""
 
@@ -140,7 +140,7 @@ class KVConnectorBase_V1(ABC):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Once per step: the metadata for the worker side; resets per-step state."""
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: Any) -> None:  # noqa: B027 - optional hook
         """The workers' KVConnectorOutput of the last step (finished sets, stats)."""
 
     def request_finished(self, request: Any, block_ids: list[int]
@@ -153,7 +153,7 @@ class KVConnectorBase_V1(ABC):
         """KV cache events the connector produced since the last call."""
         return ()
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]  # noqa: B027 - optional hook
                                     ) -> None:
         """Scheduler side: the workers' handshake metadata, keyed by tp rank."""
 

@@ -88,8 +88,8 @@ class BertEncoder:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         w: dict[str, torch.Tensor] = {}
-        for name, t in weights:
-            name = name.removeprefix("bert.")
+        for raw_name, t in weights:
+            name = raw_name.removeprefix("bert.")
             if name.startswith(("pooler.", "cls.", "classifier.")) or name.endswith("position_ids"):
                 continue
             w[name] = t.to(device=self.device, dtype=self.dtype)

@@ -65,10 +65,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def _split(self, weights: Iterable[tuple[str, torch.Tensor]]
                ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in weights:
-            name = name.removeprefix("model.") if name.startswith(
+        for raw_name, t in weights:
+            name = raw_name.removeprefix("model.") if raw_name.startswith(
                 ("model.vision_tower.", "model.multi_modal_projector.",
-                 "model.language_model.")) else name
+                 "model.language_model.")) else raw_name
             if name.startswith("vision_tower."):
                 key = name[len("vision_tower."):].removeprefix("vision_model.")
                 key = {"embeddings.patch_embedding.weight": "emb.patch",

@@ -38,8 +38,8 @@ def mrope_input_positions(num_tokens: int,
     cur = 0  # the next text position
     done = 0  # tokens placed so far
     m = spatial_merge_size
-    for offset, (t, h, w) in sorted(items, key=lambda it: it[0]):
-        t, h, w = int(t), int(h) // m, int(w) // m
+    for offset, (t_in, h_in, w_in) in sorted(items, key=lambda it: it[0]):
+        t, h, w = int(t_in), int(h_in) // m, int(w_in) // m
         n = t * h * w
         if offset < done or offset + n > num_tokens:
             raise ValueError(f"placeholder at {offset} of {n} tokens overlaps another or runs "

@@ -180,7 +180,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
                                   ) -> tuple[np.ndarray, int]:
         """[3, num_tokens] positions of a prompt and its rope delta, from each
         item's (placeholder offset, grid_thw) (vLLM's method of this name)."""
-        for offset, grid in placeholders:
+        for _offset, grid in placeholders:
             if len(grid) != 3:
                 raise ValueError(f"image_grid_thw {list(grid)} is not (t, h, w)")
         return mrope_input_positions(num_tokens, placeholders, self.mm.spatial_merge_size)

@@ -110,7 +110,8 @@ class MultiModalReceiverCache:
             return features
         out = []
         missing = None
-        for feature in features:
+        for given in features:
+            feature = given
             self.queries += 1
             if self._lru.touch(feature.identifier):
                 self.hits += 1

@@ -239,6 +239,9 @@ async def serve_http(app: Any, ctx: ServerContext, *, sock: socket.socket | None
                 await asyncio.sleep(0.02)
             if server.started:
                 on_started()
-        asyncio.ensure_future(announce())
+        # Held while serving: the loop keeps only a weak reference to a task.
+        announcer = asyncio.ensure_future(announce())
     await server.serve(sockets=[sock] if sock is not None else None)
+    if on_started is not None:
+        del announcer
     return server.exit_signal

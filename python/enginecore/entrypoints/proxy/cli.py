@@ -130,8 +130,10 @@ def run_proxy(args: argparse.Namespace) -> int:
                       f"{' '.join(config.prefill)}; decode {' '.join(config.decode)})",
                       file=sys.stderr, flush=True)
 
-        asyncio.ensure_future(announce())
+        # Held while serving: the loop keeps only a weak reference to a task.
+        announcer = asyncio.ensure_future(announce())
         await server.serve(sockets=[sock])
+        del announcer
 
     try:
         _run_async(main())
