@@ -165,6 +165,8 @@ async def answer(request: Request, work: Awaitable[T]) -> T:
     """``until_disconnect(request, work)`` with the front-end's errors as the client's."""
     try:
         return await until_disconnect(request, work)
+    except (ClientGone, asyncio.CancelledError):
+        raise  # the endpoint answers 499 / the server is cancelling: not an engine error
     except BaseException as e:  # noqa: BLE001 - every error becomes the client's answer
         raise engine_errors(e) from None
 
@@ -174,6 +176,9 @@ async def first_event(request: Request, stream: Any) -> Any:
     answer); the stream is closed when there is none."""
     try:
         return await until_disconnect(request, anext(stream))
+    except (ClientGone, asyncio.CancelledError):
+        await stream.aclose()
+        raise  # the endpoint answers 499 / the server is cancelling: not an engine error
     except BaseException as e:  # noqa: BLE001 - every error becomes the client's answer
         await stream.aclose()
         raise engine_errors(e) from None
