@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from enginecore.bounds import NonNegInt64, PositiveInt64, finite
+from enginecore.model.mm_registry import is_multimodal_architecture
 from enginecore.protocol import LoRARequest, SchedulerStats
 from enginecore.sched.scheduler import PauseState
 
@@ -129,7 +130,12 @@ class EngineCoreUtilities:
 
     def reset_encoder_cache(self) -> bool:
         """Forget every cached encoder output (vision embeddings); refused (False)
-        while a live request still needs one."""
+        while a live request still needs one; False, with a log line, for a model
+        without an encoder (as reset_mm_cache)."""
+        if not is_multimodal_architecture(self.config.model_config.architecture):
+            logger.info("reset_encoder_cache: %s has no encoder cache; nothing to reset",
+                        self.config.model_config.model)
+            return False
         return self.scheduler.reset_encoder_cache()
 
     def make_stats(self) -> SchedulerStats:
