@@ -152,7 +152,12 @@ class Relay:
             except msgspec.DecodeError:
                 raise _PrefillBroke(f"prefill server {backend.url} answered a body that is "
                                     "not JSON") from None
-            return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if params is not None and not isinstance(params, dict):
+                # Sent on, it would be the decode server's 400 blaming the client.
+                raise _PrefillBroke(f"prefill server {backend.url} answered kv_transfer_params "
+                                    f"that are not an object ({type(params).__name__})")
+            return params
         raise NoBackendError("no prefill server could take the request ("
                              + "; ".join(failures) + ")")
 
