@@ -137,3 +137,15 @@ def test_proxy_junk_prefill_params_fall_back_to_decode(server, junk):
         proxy.stop()
         prefill.shutdown()
         prefill.server_close()
+
+
+def test_deeply_nested_tool_schema_is_a_400(client):
+    schema: dict = {"type": "object"}
+    for _ in range(200):  # within the body's nesting limit, past jsonschema's recursion
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    with pytest.raises(openai.BadRequestError, match="nests too deeply"):
+        client.chat.completions.create(model="tiny", max_tokens=3, tools=tools,
+                                       tool_choice="required",
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert _complete(client).choices[0].finish_reason == "length"
