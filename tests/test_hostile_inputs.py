@@ -98,7 +98,7 @@ def test_bad_responses_function_items_are_400s(client, item, match):
 
 
 class _JunkPrefill(BaseHTTPRequestHandler):
-    """A prefill server that answers 200 with kv_transfer_params that are not an object."""
+    """A prefill server that answers 200 with junk kv_transfer_params."""
 
     def log_message(self, *args) -> None:
         pass
@@ -118,8 +118,10 @@ class _JunkPrefill(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.mark.parametrize("junk", ["x", [1, 2]])
-def test_proxy_junk_prefill_params_fall_back_to_decode(server, junk):
+@pytest.mark.parametrize("junk,match", [
+    ("x", "not an object"), ([1, 2], "not an object"),
+    ({**GOOD_REMOTE, "remote_port": "abc"}, "remote_port must be an integer")])
+def test_proxy_junk_prefill_params_fall_back_to_decode(server, junk, match):
     prefill = ThreadingHTTPServer(("127.0.0.1", 0), _JunkPrefill)
     prefill.junk = junk
     threading.Thread(target=prefill.serve_forever, daemon=True).start()
@@ -132,7 +134,7 @@ def test_proxy_junk_prefill_params_fall_back_to_decode(server, junk):
         # prompt itself (policy recompute), not a 400 blaming the client.
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] == "length"
-        assert "not an object" in proxy.output()
+        assert match in proxy.output()
     finally:
         proxy.stop()
         prefill.shutdown()
