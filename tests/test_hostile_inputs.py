@@ -9,6 +9,7 @@ import json
 import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from enginecore.kv_transfer.pd_keys import make_keys
+from enginecore.kv_transfer.pd_scheduler import PDScheduler
 from server_helpers import ServerProcess, make_tiny_chat_model
 
 PROMPT = "x" * 100  # several full blocks: a remote prefill would have blocks to pull
@@ -151,3 +153,18 @@ def test_deeply_nested_tool_schema_is_a_400(client):
                                        tool_choice="required",
                                        messages=[{"role": "user", "content": "hi"}])
     assert _complete(client).choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("bad", [{"remote_port": "abc"}, {"remote_block_ids": [[1], None]},
+                                 {"remote_host": ["x"]}, {"remote_port": -3}])
+def test_pd_scheduler_computes_locally_on_bad_params(bad):
+    # A request that reaches the engine without the front-end's check (a direct
+    # EngineCoreRequest) must not raise inside the scheduler step: no remote tokens.
+    sched = PDScheduler("e", block_size=4, produce=False, consume=True, host="127.0.0.1",
+                        port=0)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(40)),
+                              kv_transfer_params={**GOOD_REMOTE, **bad})
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    good = SimpleNamespace(request_id="g", prompt_token_ids=list(range(40)),
+                           kv_transfer_params=GOOD_REMOTE)
+    assert sched.get_num_new_matched_tokens(good, 0) == (12, True)
