@@ -32,9 +32,9 @@ def check_kv_transfer_params(params: dict[str, Any]) -> None:
             raise ValueError(f"kv_transfer_params.{key} must be a string, "
                              f"got {type(params[key]).__name__}")
     port = params.get("remote_port")
-    if port is not None and not (_is_int(port) and 1 <= port <= 65535):
+    if port is not None and not (_is_int(port) and 0 <= port <= 65535):
         raise ValueError(f"kv_transfer_params.remote_port must be an integer in "
-                         f"[1, 65535], got {str(port)[:40]!r}")
+                         f"[0, 65535], got {str(port)[:40]!r}")
     ids = params.get("remote_block_ids")
     if ids is None:
         return
