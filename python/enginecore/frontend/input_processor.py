@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from enginecore.config import EngineConfig
+from enginecore.kv_transfer.transfer_params import check_kv_transfer_params
 from enginecore.multimodal.cache import MultiModalSenderCache, cache_capacity_bytes
 from enginecore.multimodal.chat_parts import extract_images, has_image_parts
 from enginecore.multimodal.processing import MultiModalProcessor, check_no_images
@@ -423,4 +424,6 @@ def _kv_transfer_params(params: object) -> dict | None:
     value = extra.get("kv_transfer_params") if extra else None
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"kv_transfer_params must be a JSON object, got {value!r}")
+    if value is not None:
+        check_kv_transfer_params(value)
     return value

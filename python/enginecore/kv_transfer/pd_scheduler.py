@@ -22,6 +22,7 @@ from typing import Any
 
 from enginecore.kv_transfer.base import KVConnectorMetadata
 from enginecore.kv_transfer.pd_block_client import PullJob, ReleaseJob
+from enginecore.kv_transfer.transfer_params import check_kv_transfer_params
 from enginecore.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,12 @@ class PDScheduler:
         if not params.get("remote_block_ids") or not params.get("remote_host") \
                 or not params.get("remote_port"):
             return None  # the producer had no full block: compute it all here
+        try:
+            check_kv_transfer_params(params)
+        except ValueError as e:  # a request sent past the front-end's check
+            logger.warning("request %s: %s; computing its prompt here", request.request_id, e)
+            self._used_params.add(request.request_id)
+            return None
         return params
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int

@@ -61,6 +61,16 @@ def _content_text(content: Any, where: str) -> str:
     raise bad_request(f"{where}: content must be a string or a list of parts", "input")
 
 
+def _field_str(item: dict[str, Any], key: str, where: str, empty_ok: bool = False) -> str:
+    """A function call item's required string field (the Responses API's types)."""
+    value = item.get(key)
+    if not isinstance(value, str) or not (value or empty_ok):
+        got = "missing" if value is None else f"a {type(value).__name__}"
+        raise bad_request(f"{where}: a {item.get('type')} item needs {key!r} as a "
+                          f"string, got {got}", "input")
+    return value
+
+
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The conversation as chat messages."""
     messages: list[dict[str, Any]] = []
@@ -80,17 +90,21 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": _content_text(item.get("content"),
                                                                     where)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"),
-                                 "arguments": item.get("arguments", "{}")}}
+            arguments = _field_str(item, "arguments", where, empty_ok=True)
+            call = {"id": _field_str(item, "call_id", where), "type": "function",
+                    "function": {"name": _field_str(item, "name", where),
+                                 "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            call_id = _field_str(item, "call_id", where)
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            if output is None:
+                raise bad_request(f"{where}: a function_call_output needs 'output'", "input")
+            messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": output if isinstance(output, str)
                              else _content_text(output, where)})
         elif kind == "reasoning":

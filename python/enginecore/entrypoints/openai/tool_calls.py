@@ -120,6 +120,9 @@ def check_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
         except SchemaError as e:
             raise bad_request(f"{where}.function.parameters ({name[:64]!r}) is not a valid "
                               f"JSON schema: {str(e.message)[:200]}", "tools") from None
+        except RecursionError:  # jsonschema recurses once per level of the schema
+            raise bad_request(f"{where}.function.parameters ({name[:64]!r}) nests too deeply "
+                              "to check", "tools") from None
         out[name] = params
     return out
 

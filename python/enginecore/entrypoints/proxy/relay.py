@@ -32,6 +32,7 @@ from starlette.responses import Response
 from enginecore.entrypoints.openai.errors import APIError, error_body
 from enginecore.entrypoints.openai.streaming import SSEResponse, sse_event
 from enginecore.entrypoints.proxy.backends import BackendPool, NoBackendError, describe
+from enginecore.kv_transfer.transfer_params import check_kv_transfer_params
 
 logger = logging.getLogger("enginecore.proxy")
 
@@ -152,7 +153,18 @@ class Relay:
             except msgspec.DecodeError:
                 raise _PrefillBroke(f"prefill server {backend.url} answered a body that is "
                                     "not JSON") from None
-            return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if params is not None and not isinstance(params, dict):
+                # Sent on, it would be the decode server's 400 blaming the client.
+                raise _PrefillBroke(f"prefill server {backend.url} answered kv_transfer_params "
+                                    f"that are not an object ({type(params).__name__})")
+            if params is not None:
+                try:
+                    check_kv_transfer_params(params)
+                except ValueError as e:
+                    raise _PrefillBroke(f"prefill server {backend.url} answered bad "
+                                        f"kv_transfer_params: {e}") from None
+            return params
         raise NoBackendError("no prefill server could take the request ("
                              + "; ".join(failures) + ")")
 
