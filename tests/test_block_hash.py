@@ -68,7 +68,7 @@ def test_bad_inputs(hot_path):
 )
 def test_active_path_equals_python_twin(tokens, block_size, extra):
     assert block_hashes(tokens, block_size, extra_keys=extra) == block_hashes_py(
-        tokens, block_size, extra_keys=extra
+        tokens, block_size, None, encode_extra_keys(extra)
     )
 
 

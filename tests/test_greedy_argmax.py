@@ -1,5 +1,5 @@
 """Greedy sampling from model-dtype logits (csrc/greedy_sampler.cpp <->
-sampler.greedy_argmax_py): the same tokens as torch.argmax over the float32
+sampler.greedy_argmax_torch): the same tokens as torch.argmax over the float32
 logits, ties and NaNs included, and the same tokens through the engine as the
 full sampler path."""
 

@@ -64,9 +64,11 @@ def test_stub_names_every_export_of_the_extension():
 def test_every_native_structure_and_loop_has_a_twin_of_the_same_interface():
     """``_C.Name`` <-> ``PyName`` and ``_C.name`` <-> ``name_py``: every public member
     of a native class is on its twin with the same parameter names."""
+    from enginecore.blocking_queue import PyBlockingQueue
     from enginecore.sched import block_pool, request_table, scheduler_loops
 
-    twins = {"BlockPool": block_pool.PyBlockPool, "RequestTable": request_table.PyRequestTable}
+    twins = {"BlockPool": block_pool.PyBlockPool, "RequestTable": request_table.PyRequestTable,
+             "BlockingQueue": PyBlockingQueue}
     for name, twin in twins.items():
         native = getattr(C, name)
         for member, value in vars(native).items():
@@ -76,9 +78,41 @@ def test_every_native_structure_and_loop_has_a_twin_of_the_same_interface():
             if callable(value) and not isinstance(value, property):
                 params = list(inspect.signature(getattr(twin, member)).parameters)[1:]
                 assert params == _native_params(value), (name, member)
-    for name in ("schedule_running", "update_decodes"):
-        twin = getattr(scheduler_loops, f"{name}_py")
-        assert list(inspect.signature(twin).parameters) == _native_params(getattr(C, name))
+    assert twins_of_functions()["schedule_running"][0] == scheduler_loops.__name__
+
+
+PACKAGE = STUB.parent
+
+
+def twins_of_functions() -> dict[str, tuple[str, list[str]]]:
+    """For every function of the stub: (the module defining ``name_py``, its
+    parameter names), found by reading the package's source (each twin exactly once)."""
+    wanted = {f"{name}_py": name for name in _stub_functions(ast.parse(STUB.read_text()).body)}
+    found: dict[str, list[tuple[str, list[str]]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = "enginecore." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name in wanted:
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                found.setdefault(wanted[node.name], []).append((module, names))
+    missing = sorted(set(wanted.values()) - set(found))
+    assert not missing, f"_C functions without a name_py twin: {missing}"
+    twice = {name: [m for m, _ in defs] for name, defs in found.items() if len(defs) > 1}
+    assert not twice, f"twins defined more than once: {twice}"
+    return {name: defs[0] for name, defs in found.items()}
+
+
+def test_every_native_function_has_a_twin_named_by_the_rule_with_its_parameters():
+    """The one twin rule (docs/architecture.md): ``_C.name`` <-> ``name_py`` with the
+    same parameter names, in the same order, for every function the extension exports
+    (the stub lists exactly those, test above); the twin imports and is callable."""
+    import importlib
+
+    for name, (module, params) in twins_of_functions().items():
+        assert params == _native_params(getattr(C, name)), (name, module, params)
+        twin = getattr(importlib.import_module(module), f"{name}_py")
+        assert list(inspect.signature(twin).parameters) == params, (name, module)
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -111,7 +145,7 @@ def test_native_block_hashes_equal_python_twin(tokens, block_size, parent, extra
         got = C.block_hashes(seq, block_size, parent, encode_extra_keys(extra))
     finally:
         C.sha256_force_portable(False)
-    assert got == block_hashes_py(tokens, block_size, parent=parent, extra_keys=extra)
+    assert got == block_hashes_py(tokens, block_size, parent, encode_extra_keys(extra))
 
 
 def test_native_rejects_what_python_rejects():
@@ -119,7 +153,7 @@ def test_native_rejects_what_python_rejects():
         with pytest.raises((ValueError, TypeError)):
             C.block_hashes(bad, 1, None, b"")
         with pytest.raises((ValueError, TypeError)):
-            block_hashes_py(bad, 1)
+            block_hashes_py(bad, 1, None, b"")
 
 
 @pytest.mark.parametrize("kind", ["native", "python"])

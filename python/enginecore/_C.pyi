@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 def version() -> str:
-    """Version of the package the extension was built for."""
+    """Version of the package the extension was built for (twin: ``_native.version_py``)."""
 
 # -- block hashing (csrc/block_hash.cpp <-> sched/block_hash.py) ------------------------------
 
@@ -20,13 +20,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None
     """Chained sha256 of every full block (twin: ``block_hashes_py``)."""
 
 def sha256(data: bytes) -> bytes:
-    """One-shot SHA-256 (for tests of the compression function)."""
+    """One-shot SHA-256 (for tests of the compression function; twin: ``sha256_py``)."""
 
 def sha256_impl() -> str:
-    """Which compression runs: 'sha-ni' or 'portable'."""
+    """Which compression runs: 'sha-ni' or 'portable' (twin: ``sha256_impl_py``)."""
 
 def sha256_force_portable(force: bool) -> None:
-    """Use the portable compression even where SHA-NI exists (tests)."""
+    """Use the portable compression even where SHA-NI exists (tests; twin:
+    ``sha256_force_portable_py``)."""
 
 # -- queues (csrc/blocking_queue.cpp <-> blocking_queue.py) -----------------------------------
 
@@ -53,17 +54,18 @@ def encode_columnar(engine_index: int, request_ids: list[str | None], new_token_
                     specials: list[Any], stats_raw: bytes | None, timestamp: float,
                     buf: bytearray) -> None:
     """msgpack of one client's step outputs from columns into ``buf`` (bytes equal
-    msgspec's encoding of the equivalent EngineCoreOutputs)."""
+    msgspec's encoding of the equivalent EngineCoreOutputs; twin: ``serial.encode_columnar_py``)."""
 
 def libzmq_path() -> str | None:
-    """Path of the libzmq pyzmq loaded (the one send_columnar uses), or None."""
+    """Path of the libzmq pyzmq loaded (the one send_columnar uses), or None (twin:
+    ``serial.libzmq_path_py``)."""
 
 def send_columnar(socket: int, engine_index: int, request_ids: list[str | None],
                   new_token_ids: list[Any], specials: list[Any], stats_raw: bytes | None,
                   timestamp: float, max_size: int = -1) -> bool:
     """Encode one client's step outputs and send them on the zmq socket whose handle is
     ``socket`` (pyzmq's ``Socket.underlying``) without the GIL; False (nothing sent) when
-    the message would pass ``max_size`` bytes."""
+    the message would pass ``max_size`` bytes (twin: ``serial.send_columnar_py``)."""
 
 # -- the scheduler's structures (csrc/block_pool.cpp, csrc/request_table.cpp
 #    <-> sched/block_pool.py, sched/request_table.py) ----------------------------------------
@@ -170,27 +172,30 @@ def paged_attention(out: int, out_st: int, out_sh: int, q: int, q_st: int, q_sh:
                     head_dim: int, block_size: int, dtype: int, scale: float, soft_cap: float,
                     sliding_window: int, num_threads: int) -> None:
     """Write the step's K/V into the paged cache (``k_new=0``: skip) and attend every
-    sequence's query tokens over its context (twin: ``attention.paged_attention_torch``)."""
+    sequence's query tokens over its context (twin: ``model.kernel_twins.paged_attention_py``)."""
 
 def rms_norm(x: int, x_stride: int, delta: int, delta_stride: int, weight: int, out: int,
              out_stride: int, rows: int, hidden: int, eps: float, dtype: int,
              num_threads: int) -> None:
-    """out = weight * rmsnorm(x) per row; with delta != 0, x += delta first (in place)."""
+    """out = weight * rmsnorm(x) per row; with delta != 0, x += delta first (in place)
+    (twin: ``model.kernel_twins.rms_norm_py``)."""
 
 def rope(x: int, x_st: int, x_sh: int, positions: int, cos: int, sin: int, table_stride: int,
          tokens: int, num_heads: int, rotary_dim: int, dtype: int, num_threads: int) -> None:
-    """Rotate-half RoPE in place on [tokens, heads, head_dim] at int64 positions."""
+    """Rotate-half RoPE in place on [tokens, heads, head_dim] at int64 positions (twin:
+    ``model.kernel_twins.rope_py``)."""
 
 def silu_and_mul(x: int, x_stride: int, out: int, out_stride: int, rows: int, width: int,
                  dtype: int, num_threads: int) -> None:
-    """out = silu(gate) * up for rows of [gate | up]."""
+    """out = silu(gate) * up for rows of [gate | up] (twin:
+    ``model.kernel_twins.silu_and_mul_py``)."""
 
 def cpu_kernels_info() -> dict[str, str | bool]:
     """The instruction set the CPU model kernels run with (``isa``: avx512 / avx2 /
     baseline), the OpenMP runtime (torch's) they split work on (``openmp``, '' = serial),
     the CPU's ``avx2`` / ``avx512f`` / ``avx512_bf16`` / ``amx`` (CPUID and the OS's
     XSAVE state), ``amx_permission`` (Linux's arch_prctl: granted / not requested) and
-    ``amx_kernels`` (none ship)."""
+    ``amx_kernels`` (none ship). Twin: ``model.kernel_twins.cpu_kernels_info_py``."""
 
 def bind_openmp_threads(cpus: list[int]) -> list[int]:
     """Bind thread i of torch's OpenMP team of len(cpus) threads to cpus[i]; returns each
@@ -199,4 +204,4 @@ def bind_openmp_threads(cpus: list[int]) -> list[int]:
 def greedy_argmax(logits: int, row_stride: int, rows: int, cols: int, out: int, dtype: int,
                   num_threads: int) -> None:
     """out[r] (int64) = the first index of the maximum of logits row r, a NaN counting as
-    the maximum (twin: ``model.sampler.greedy_argmax_py``, torch.argmax)."""
+    the maximum (twin: ``model.kernel_twins.greedy_argmax_py``, torch.argmax)."""

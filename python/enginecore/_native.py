@@ -56,6 +56,16 @@ def twin(name: str, python: T) -> T:
     return python if ext is None else getattr(ext, name)
 
 
+def version_py() -> str:
+    """The twin of ``_C.version``: the version of the installed enginecore."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("enginecore")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "0+unknown"
+
+
 def set_native(enabled: bool | None) -> None:
     """Switch the hot paths; ``None`` keeps the environment's choice.
 

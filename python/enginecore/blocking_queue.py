@@ -19,18 +19,23 @@ class PyBlockingQueue:
     get(timeout) / get_nowait / peek / qsize / empty / len / bool / maxsize."""
 
     def __init__(self, maxsize: int = 0) -> None:
-        self.maxsize = maxsize
+        self._maxsize = maxsize
         self._items: deque[Any] = deque()
         self._cond = threading.Condition(threading.Lock())
 
     def put(self, item: Any) -> None:
         with self._cond:
-            if self.maxsize and len(self._items) >= self.maxsize:
+            if self._maxsize and len(self._items) >= self._maxsize:
                 raise queue.Full
             self._items.append(item)
             self._cond.notify()
 
     put_nowait = put
+
+    @property
+    def maxsize(self) -> int:
+        """The bound given at construction (0: unbounded); read-only, as natively."""
+        return self._maxsize
 
     def get(self, timeout: float | None = None) -> Any:
         """Waits in 100 ms slices, as the native queue does: a signal that the
@@ -71,7 +76,4 @@ class PyBlockingQueue:
 
 
 def make_blocking_queue(maxsize: int = 0) -> Any:
-    ext = _native.extension()
-    if ext is not None:
-        return ext.BlockingQueue(maxsize)
-    return PyBlockingQueue(maxsize)
+    return _native.twin("BlockingQueue", PyBlockingQueue)(maxsize)

@@ -130,9 +130,19 @@ def paged_attention_native(ext, q, k, v, k_cache, v_cache, meta, scale, sliding_
                            logits_soft_cap=None) -> torch.Tensor:
     T, H, D = q.shape
     out = q.new_empty(T, H, D)
+    ext.paged_attention(*paged_attention_args(out, q, k, v, k_cache, v_cache, meta, scale,
+                                              sliding_window, logits_soft_cap))
+    return out.view(T, H * D)
+
+
+def paged_attention_args(out, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None,
+                         logits_soft_cap=None) -> tuple:
+    """What ``_C.paged_attention`` (and its twin ``kernel_twins.paged_attention_py``)
+    take for these tensors: addresses, strides in elements, sizes."""
+    T, H, D = q.shape
     if k is not None:
         assert k.stride(-1) == 1 and v.stride(-1) == 1 and meta.slot_mapping.is_contiguous()
-    ext.paged_attention(
+    return (
         out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
         0 if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
         0 if k is None else k.stride(1), 0 if v is None else v.data_ptr(),
@@ -143,7 +153,6 @@ def paged_attention_native(ext, q, k, v, k_cache, v_cache, meta, scale, sliding_
         meta.num_seqs, H, k_cache.shape[1], D, meta.block_size, NATIVE_DTYPES[q.dtype],
         float(scale), float(logits_soft_cap or 0.0), int(sliding_window or 0),
         torch.get_num_threads())
-    return out.view(T, H * D)
 
 
 def paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None,

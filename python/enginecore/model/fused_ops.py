@@ -46,12 +46,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     take the torch version."""
     ext = _native_for(x)
     if (ext is None or plus_one or x.dim() != 2 or x.stride(-1) != 1 or weight.dim() != 1
-            or weight.dtype != x.dtype):
+            or weight.dtype != x.dtype or not weight.is_contiguous()):
         return rms_norm_torch(x, weight, eps, plus_one)
     out = torch.empty_like(x)
-    ext.rms_norm(x.data_ptr(), x.stride(0), 0, 0, weight.contiguous().data_ptr(), out.data_ptr(),
-                 out.stride(0), x.shape[0], x.shape[1], eps, NATIVE_DTYPES[x.dtype],
-                 torch.get_num_threads())
+    ext.rms_norm(*rms_norm_args(x, None, weight, out, eps))
     return out
 
 
@@ -62,14 +60,23 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     stream is the model's own buffer)."""
     ext = _native_for(h)
     if (ext is None or plus_one or h.dim() != 2 or not h.is_contiguous() or delta.stride(-1) != 1
-            or delta.dtype != h.dtype or weight.dtype != h.dtype or h.shape != delta.shape):
+            or delta.dtype != h.dtype or weight.dtype != h.dtype or h.shape != delta.shape
+            or weight.dim() != 1 or not weight.is_contiguous()):
         h = h + delta
         return h, rms_norm_torch(h, weight, eps, plus_one)
     out = torch.empty_like(h)
-    ext.rms_norm(h.data_ptr(), h.stride(0), delta.data_ptr(), delta.stride(0),
-                 weight.contiguous().data_ptr(), out.data_ptr(), out.stride(0), h.shape[0],
-                 h.shape[1], eps, NATIVE_DTYPES[h.dtype], torch.get_num_threads())
+    ext.rms_norm(*rms_norm_args(h, delta, weight, out, eps))
     return h, out
+
+
+def rms_norm_args(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  out: torch.Tensor, eps: float) -> tuple:
+    """What ``_C.rms_norm`` (and ``kernel_twins.rms_norm_py``) take for these tensors.
+    ``weight`` must be contiguous (the callers' checks leave nothing else)."""
+    return (x.data_ptr(), x.stride(0), 0 if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(),
+            out.stride(0), x.shape[0], x.shape[1], eps, NATIVE_DTYPES[x.dtype],
+            torch.get_num_threads())
 
 
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
@@ -82,8 +89,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     ext = _native_for(gate_up)
     if ext is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
         return silu_and_mul_torch(gate_up)
-    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty(rows, width)
-    ext.silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows,
-                     width, NATIVE_DTYPES[gate_up.dtype], torch.get_num_threads())
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    ext.silu_and_mul(*silu_and_mul_args(gate_up, out))
     return out
+
+
+def silu_and_mul_args(gate_up: torch.Tensor, out: torch.Tensor) -> tuple:
+    """What ``_C.silu_and_mul`` (and ``kernel_twins.silu_and_mul_py``) take."""
+    return (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), out.shape[0],
+            out.shape[1], NATIVE_DTYPES[gate_up.dtype], torch.get_num_threads())

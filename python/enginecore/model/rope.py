@@ -105,10 +105,16 @@ class RotaryStep:
                 return apply_rope(x, self.cos_table.index_select(0, self.positions),
                                   self.sin_table.index_select(0, self.positions))
             return apply_rope(x, self.cos, self.sin)
-        T, heads, _ = x.shape
-        rotary_dim = self.cos_table.shape[-1]  # < head_dim: a partial rotary (Phi-3)
-        self.ext.rope(x.data_ptr(), x.stride(0), x.stride(1), self.positions.data_ptr(),
-                      self.cos_table.data_ptr(), self.sin_table.data_ptr(),
-                      self.cos_table.stride(0), T, heads, rotary_dim, NATIVE_DTYPES[x.dtype],
-                      torch.get_num_threads())
+        self.ext.rope(*rope_args(x, self.positions, self.cos_table, self.sin_table))
         return x
+
+
+def rope_args(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+              sin_table: torch.Tensor) -> tuple:
+    """What ``_C.rope`` (and ``kernel_twins.rope_py``) take: x [T, heads, head_dim]
+    rotated in place at int64 ``positions`` into the model-dtype tables; a table
+    narrower than head_dim is a partial rotary (Phi-3)."""
+    T, heads, _ = x.shape
+    return (x.data_ptr(), x.stride(0), x.stride(1), positions.data_ptr(), cos_table.data_ptr(),
+            sin_table.data_ptr(), cos_table.stride(0), T, heads, cos_table.shape[-1],
+            NATIVE_DTYPES[x.dtype], torch.get_num_threads())

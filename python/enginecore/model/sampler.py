@@ -58,7 +58,7 @@ def plain_greedy(rows: list[SamplingRow]) -> bool:
     return True
 
 
-def greedy_argmax_py(logits: torch.Tensor) -> list[int]:
+def greedy_argmax_torch(logits: torch.Tensor) -> list[int]:
     """The first index of each row's maximum (torch.argmax, NaN the maximum)."""
     return logits.argmax(dim=-1).tolist()
 
@@ -69,11 +69,16 @@ def greedy_argmax(logits: torch.Tensor) -> list[int]:
     ext = _native.extension()
     if (ext is None or logits.device.type != "cpu" or logits.dtype not in _ARGMAX_DTYPES
             or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0):
-        return greedy_argmax_py(logits)
+        return greedy_argmax_torch(logits)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    ext.greedy_argmax(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-                      out.data_ptr(), _ARGMAX_DTYPES[logits.dtype], torch.get_num_threads())
+    ext.greedy_argmax(*greedy_argmax_args(logits, out))
     return out.tolist()
+
+
+def greedy_argmax_args(logits: torch.Tensor, out: torch.Tensor) -> tuple:
+    """What ``_C.greedy_argmax`` (and ``kernel_twins.greedy_argmax_py``) take."""
+    return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+            out.data_ptr(), _ARGMAX_DTYPES[logits.dtype], torch.get_num_threads())
 
 
 def _position_seed(seed: int, position: int) -> int:

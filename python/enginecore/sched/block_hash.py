@@ -70,21 +70,15 @@ def check_algo(algo: str) -> None:
         raise ValueError(f"unknown prefix caching hash algo {algo!r}; supported: {HASH_ALGOS}")
 
 
-def block_hashes_py(
-    token_ids: Sequence[int],
-    block_size: int,
-    *,
-    parent: bytes | None = None,
-    extra_keys: Sequence[ExtraKey] | None = None,
-    algo: str = "sha256",
-) -> list[bytes]:
-    """The chained hash of every full block of ``token_ids``."""
-    check_algo(algo)
+def block_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | None,
+                    extra: bytes) -> list[bytes]:
+    """The twin of ``_C.block_hashes``: the chained hash of every full block of
+    ``token_ids``, with the extra keys already encoded (``encode_extra_keys``)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if parent is not None and len(parent) != 32:
         raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
-    return chain_hashes_py(token_ids, block_size, parent, encode_extra_keys(extra_keys))
+    return chain_hashes_py(token_ids, block_size, parent, extra)
 
 
 def mm_block_extra_keys(mm_positions: Sequence[tuple[int, int, str]],
@@ -109,8 +103,8 @@ def mm_block_extra_keys(mm_positions: Sequence[tuple[int, int, str]],
 
 def chain_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | None,
                     extra: bytes, block_extras: Sequence[bytes] = ()) -> list[bytes]:
-    """``block_hashes_py`` with the extra keys already encoded (the arguments of
-    ``_C.block_hashes``); block ``i`` hashes ``block_extras[i]`` (when there is
+    """``block_hashes_py`` without its argument checks, and with per-block keys:
+    block ``i`` hashes ``block_extras[i]`` (when there is
     one) before ``extra``."""
     prev = ROOT_PARENT if parent is None else parent
     data = tokens_to_bytes(token_ids)
@@ -149,14 +143,27 @@ def block_hashes(
     """The prefix-cache hash of every full block, on whichever path is active."""
     from enginecore import _native
 
-    ext = _native.extension()
-    if ext is not None and hasattr(ext, "block_hashes"):
-        check_algo(algo)
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if parent is not None and len(parent) != 32:
-            raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
-        return ext.block_hashes(token_ids, block_size, parent, encode_extra_keys(extra_keys))
-    return block_hashes_py(
-        token_ids, block_size, parent=parent, extra_keys=extra_keys, algo=algo
-    )
+    check_algo(algo)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if parent is not None and len(parent) != 32:
+        raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
+    hashes = _native.twin("block_hashes", block_hashes_py)
+    return hashes(token_ids, block_size, parent, encode_extra_keys(extra_keys))
+
+
+def sha256_py(data: bytes) -> bytes:
+    """The twin of ``_C.sha256``: one-shot SHA-256."""
+    return hashlib.sha256(data).digest()
+
+
+def sha256_impl_py() -> str:
+    """The twin of ``_C.sha256_impl``: the Python path hashes with hashlib (OpenSSL)."""
+    return "hashlib"
+
+
+def sha256_force_portable_py(force: bool) -> None:
+    """The twin of ``_C.sha256_force_portable``: hashlib has one implementation, so
+    there is nothing to switch (the argument is checked as the binding does)."""
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be a bool, got {type(force).__name__}")

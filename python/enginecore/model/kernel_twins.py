@@ -1,0 +1,171 @@
+"""The Python twins of the CPU model kernels, at the kernels' own boundary.
+
+Each ``name_py`` takes exactly what ``_C.name`` takes (buffer addresses, strides,
+sizes, a dtype code, a thread count), views that memory as torch tensors and does
+the work with the tensor-level references (``*_torch`` in attention.py, fused_ops.py,
+rope.py, sampler.py), writing where the kernel writes. So ``_C.name(**args)`` and
+``name_py(**args)`` can be run on the same buffers and compared, and a room that
+marshals tensors for ``_C`` calls the tensor-level reference directly on the Python
+path (it also covers CUDA and float16, which have no raw twin).
+
+Addresses are host memory the caller owns for the duration of the call, as for the
+kernels. ``num_threads`` is taken for the signature; torch splits work itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from enginecore.loaded_libraries import loaded_library_path
+from enginecore.model.fused_ops import rms_norm_torch, silu_and_mul_torch
+from enginecore.model.rope import apply_rope
+
+# The kernels' dtype codes (csrc/cpu_kernels.h DType).
+_DTYPES = {0: torch.float32, 1: torch.bfloat16}
+
+
+def _dtype(code: int, kernel: str) -> torch.dtype:
+    try:
+        return _DTYPES[code]
+    except (KeyError, TypeError):
+        raise ValueError(f"{kernel}: dtype must be float32 or bfloat16") from None
+
+
+def _view(addr: int, dtype: torch.dtype, shape: tuple[int, ...],
+          strides: tuple[int, ...]) -> torch.Tensor:
+    """The memory at ``addr`` as a tensor of ``shape`` and ``strides`` (elements)."""
+    if any(n <= 0 for n in shape):
+        return torch.empty(tuple(max(n, 0) for n in shape), dtype=dtype)
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = (ctypes.c_char * (extent * item)).from_address(addr)
+    return torch.frombuffer(raw, dtype=dtype, count=extent).as_strided(shape, strides)
+
+
+def paged_attention_py(out: int, out_st: int, out_sh: int, q: int, q_st: int, q_sh: int,
+                       k_new: int, k_st: int, k_sh: int, v_new: int, v_st: int, v_sh: int,
+                       slot_mapping: int, num_tokens: int, k_cache: int, v_cache: int,
+                       c_ss: int, c_sh: int, block_table: int, bt_stride: int,
+                       query_start: int, seq_lens: int, num_seqs: int, num_heads: int,
+                       num_kv_heads: int, head_dim: int, block_size: int, dtype: int,
+                       scale: float, soft_cap: float, sliding_window: int,
+                       num_threads: int) -> None:
+    """The twin of ``_C.paged_attention``: write the step's K/V into the paged cache
+    (``k_new == 0``: skip), then attend every sequence's query tokens over its
+    context (causal, optional sliding window and logit soft cap), in float32."""
+    dt = _dtype(dtype, "paged_attention")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0 or head_dim <= 0 or block_size <= 0:
+        raise ValueError("paged_attention: bad head or block sizes")
+    hkv, group, d, bs = num_kv_heads, num_heads // num_kv_heads, head_dim, block_size
+    qs = _view(query_start, torch.int32, (num_seqs + 1,), (1,)).tolist()
+    lens = _view(seq_lens, torch.int32, (num_seqs,), (1,)).tolist()
+    width = max(((n + bs - 1) // bs for n in lens), default=0)
+    table = _view(block_table, torch.int32, (num_seqs, width), (bt_stride, 1)).long()
+    slots = _view(slot_mapping, torch.int64, (num_tokens,), (1,))
+    # The cache is as long as the furthest slot this call touches.
+    used = [int(slots.max()) if k_new and num_tokens else -1]
+    used += [int(table[s, : (n + bs - 1) // bs].max()) * bs + bs - 1
+             for s, n in enumerate(lens) if n > 0]
+    cache_shape, cache_strides = (max(used) + 1, hkv, d), (c_ss, c_sh, 1)
+    kc = _view(k_cache, dt, cache_shape, cache_strides)
+    vc = _view(v_cache, dt, cache_shape, cache_strides)
+    if k_new:
+        keep = (slots >= 0).nonzero().flatten()  # a negative slot is padding
+        kc.index_copy_(0, slots[keep], _view(k_new, dt, (num_tokens, hkv, d),
+                                             (k_st, k_sh, 1)).index_select(0, keep))
+        vc.index_copy_(0, slots[keep], _view(v_new, dt, (num_tokens, hkv, d),
+                                             (v_st, v_sh, 1)).index_select(0, keep))
+    total = qs[-1] if num_seqs else 0
+    q_all = _view(q, dt, (total, num_heads, d), (q_st, q_sh, 1))
+    out_all = _view(out, dt, (total, num_heads, d), (out_st, out_sh, 1))
+    for s in range(num_seqs):
+        start, end, ctx = qs[s], qs[s + 1], lens[s]
+        n = end - start
+        if n <= 0:
+            continue
+        pos = torch.arange(ctx)
+        ctx_slots = table[s, pos // bs] * bs + pos % bs
+        keys = kc.index_select(0, ctx_slots).float()  # [ctx, hkv, d]
+        values = vc.index_select(0, ctx_slots).float()
+        queries = q_all[start:end].float().view(n, hkv, group, d)
+        scores = torch.einsum("nkgd,ckd->kgnc", queries, keys) * scale
+        if soft_cap:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
+        q_pos = torch.arange(ctx - n, ctx)
+        visible = pos[None, :] <= q_pos[:, None]
+        if sliding_window > 0:
+            visible &= pos[None, :] > (q_pos[:, None] - sliding_window)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        attended = torch.einsum("kgnc,ckd->nkgd", probs, values)
+        out_all[start:end] = attended.reshape(n, num_heads, d).to(dt)
+
+
+def rms_norm_py(x: int, x_stride: int, delta: int, delta_stride: int, weight: int, out: int,
+                out_stride: int, rows: int, hidden: int, eps: float, dtype: int,
+                num_threads: int) -> None:
+    """The twin of ``_C.rms_norm``: out = weight * rmsnorm(x) per row; with
+    ``delta != 0``, x += delta first (in place, in the model dtype)."""
+    dt = _dtype(dtype, "rms_norm")
+    xs = _view(x, dt, (rows, hidden), (x_stride, 1))
+    if delta:
+        xs.add_(_view(delta, dt, (rows, hidden), (delta_stride, 1)))
+    w = _view(weight, dt, (hidden,), (1,))
+    _view(out, dt, (rows, hidden), (out_stride, 1)).copy_(rms_norm_torch(xs, w, eps))
+
+
+def rope_py(x: int, x_st: int, x_sh: int, positions: int, cos: int, sin: int,
+            table_stride: int, tokens: int, num_heads: int, rotary_dim: int, dtype: int,
+            num_threads: int) -> None:
+    """The twin of ``_C.rope``: rotate-half RoPE in place on the first ``rotary_dim``
+    of each head of [tokens, heads, head_dim], at int64 positions into the cos/sin
+    tables (rows of ``table_stride`` elements, in the model dtype)."""
+    dt = _dtype(dtype, "rope")
+    xs = _view(x, dt, (tokens, num_heads, rotary_dim), (x_st, x_sh, 1))
+    pos = _view(positions, torch.int64, (tokens,), (1,))
+    rows = int(pos.max()) + 1 if tokens > 0 else 0
+    cos_rows = _view(cos, dt, (rows, rotary_dim), (table_stride, 1)).index_select(0, pos)
+    sin_rows = _view(sin, dt, (rows, rotary_dim), (table_stride, 1)).index_select(0, pos)
+    xs.copy_(apply_rope(xs, cos_rows, sin_rows))
+
+
+def silu_and_mul_py(x: int, x_stride: int, out: int, out_stride: int, rows: int, width: int,
+                    dtype: int, num_threads: int) -> None:
+    """The twin of ``_C.silu_and_mul``: out = silu(gate) * up for rows of [gate | up]."""
+    dt = _dtype(dtype, "silu_and_mul")
+    gate_up = _view(x, dt, (rows, 2 * width), (x_stride, 1))
+    _view(out, dt, (rows, width), (out_stride, 1)).copy_(silu_and_mul_torch(gate_up))
+
+
+def greedy_argmax_py(logits: int, row_stride: int, rows: int, cols: int, out: int, dtype: int,
+                     num_threads: int) -> None:
+    """The twin of ``_C.greedy_argmax``: out[r] (int64) = the first index of the
+    maximum of row r, a NaN counting as the maximum (torch.argmax's rule)."""
+    dt = _dtype(dtype, "greedy_argmax")
+    if cols <= 0:
+        raise ValueError("greedy_argmax: a row needs at least one column")
+    scores = _view(logits, dt, (rows, cols), (row_stride, 1))
+    _view(out, torch.int64, (rows,), (1,)).copy_(scores.argmax(dim=-1))
+
+
+def cpu_kernels_info_py() -> dict[str, str | bool]:
+    """The twin of ``_C.cpu_kernels_info``: on the Python path torch runs the model ops
+    (``isa`` "torch"; ``openmp`` the OpenMP runtime mapped, torch's); the CPU's
+    features as /proc/cpuinfo lists them (Linux lists only what the OS enabled)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    openmp = next(filter(None, map(loaded_library_path, ("libgomp", "libiomp", "libomp"))), "")
+    return {"isa": "torch", "openmp": openmp,
+            "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags,
+            "amx": {"amx_bf16", "amx_tile"} <= flags,
+            "amx_permission": "not requested",
+            "amx_kernels": "none (the Python path runs torch's own ops)"}
