@@ -25,17 +25,15 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 import enginecore
 from enginecore.entrypoints.openai.errors import (
-    APIError,
-    api_error_response,
     error_body,
     error_response,
+    exception_handlers,
 )
 from enginecore.entrypoints.openai.health import EngineHealth
 from enginecore.entrypoints.openai.metrics_endpoint import MetricsEndpoint
@@ -157,17 +155,6 @@ def build_app(ctx: ServerContext, health: EngineHealth, metrics: MetricsEndpoint
         Route("/detokenize", detokenize_route, methods=["POST"]),
     ]
 
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, APIError)
-        return api_error_response(exc)
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
-
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
     @asynccontextmanager
     async def lifespan(app: Any):
         health.start()
@@ -176,8 +163,7 @@ def build_app(ctx: ServerContext, health: EngineHealth, metrics: MetricsEndpoint
         finally:
             await health.stop()
 
-    app: Any = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+    app: Any = Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers())
     app = metrics.wrap(app)
     if api_key:
         app = APIKeyMiddleware(app, api_key)

@@ -11,6 +11,8 @@ import re
 from http import HTTPStatus
 
 import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 
 from enginecore.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
@@ -65,6 +67,26 @@ def error_response(status: int, message: str, param: str | None = None,
 
 def api_error_response(err: APIError) -> Response:
     return error_response(err.status, err.message, err.param, err.headers)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return api_error_response(exc)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+async def _on_crash(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def exception_handlers() -> dict:
+    """Starlette's handlers for an app that answers every error in OpenAI's shape:
+    APIError as raised, HTTP errors (404, 405, ...) with their status, anything else 500."""
+    return {APIError: _on_api_error, HTTPException: _on_http_error, Exception: _on_crash}
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z0-9_.\[\]]+)`")

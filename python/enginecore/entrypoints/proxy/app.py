@@ -14,14 +14,13 @@ from typing import Any
 import httpx
 import msgspec
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 import enginecore
 from enginecore.entrypoints.openai.api_server import APIKeyMiddleware
-from enginecore.entrypoints.openai.errors import APIError, api_error_response, error_response
+from enginecore.entrypoints.openai.errors import APIError, error_response, exception_handlers
 from enginecore.entrypoints.openai.serving_engine import read_body
 from enginecore.entrypoints.proxy.backends import describe
 from enginecore.entrypoints.proxy.relay import Relay
@@ -81,17 +80,6 @@ def build_proxy_app(relay: Relay, *, max_body_bytes: int, health_timeout_s: floa
               Route("/v1/models", models_route, methods=["GET"])]
     routes += [Route(path, generation(path), methods=["POST"]) for path in GENERATION_ROUTES]
 
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, APIError)
-        return api_error_response(exc)
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
-
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
     @asynccontextmanager
     async def lifespan(app: Any):
         try:
@@ -99,8 +87,7 @@ def build_proxy_app(relay: Relay, *, max_body_bytes: int, health_timeout_s: floa
         finally:
             await client.aclose()
 
-    app: Any = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash})
+    app: Any = Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers())
     if api_key:
         app = APIKeyMiddleware(app, api_key)
     return app
