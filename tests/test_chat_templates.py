@@ -175,3 +175,26 @@ def test_compiled_template_cache_is_bounded(tok):
         tok.apply_chat_template(MESSAGES, chat_template=f"{{{{ {i} }}}}",
                                 untrusted_template=True)
     assert len(tok._cache) <= tok._cache.capacity
+
+
+# What transformers' template environment has beyond plain jinja2: loop controls,
+# {% generation %} blocks, and a tojson that does not HTML-escape and takes json.dumps'
+# options. A template using them renders as transformers renders it.
+TRANSFORMERS_ENV = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% generation %}<{{ m['role'] }}>{% endgeneration %}{{ m['content'] }}"
+    "{% if loop.index > 5 %}{% break %}{% endif %}{% endfor %}"
+    "TOOLS={{ tools | tojson }}|{{ tools | tojson(indent=2, sort_keys=True) }}"
+    "|{{ tools | tojson(separators=(',', ':'), ensure_ascii=True) }}"
+)
+TRICKY_TOOLS = [{"type": "function", "function": {
+    "name": "html_tool", "description": "returns <b>bold</b> & 'quoted' text, café",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def test_transformers_template_environment_loop_controls_generation_and_tojson(tmp_path):
+    rendered = _same_as_transformers(_saved(tmp_path, "env", TRANSFORMERS_ENV),
+                                     tools=TRICKY_TOOLS)
+    assert "<system>" not in rendered and "<user>hi" in rendered
+    assert "<b>bold</b> & 'quoted' text, café" in rendered  # not \u003cb\u003e...
+    assert "caf\\u00e9" in rendered  # ensure_ascii=True where the template asks

@@ -16,6 +16,7 @@ template with every request cannot grow it)."""
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import threading
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -78,14 +80,44 @@ class _Budget:
                 "characters")
 
 
+class GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' marker around what the
+    assistant generated (for its training masks); rendering keeps the text as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` for chat templates: plain ``json.dumps`` (jinja2's own
+    filter HTML-escapes ``<``, ``>``, ``&`` and ``'``, which changes the prompt a tool
+    schema renders to), with its ``ensure_ascii`` / ``separators`` / ``sort_keys``."""
+    if indent is not None and (not isinstance(indent, int) or abs(indent) > 1_000):
+        raise TemplateLimitError("tojson's indent in a chat template is limited to 1000")
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 class GuardedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, whose loops, operators and widths are budgeted."""
 
     intercepted_binops = frozenset({"*", "+", "%", "**"})
 
     def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True)
+        # The environment transformers renders chat templates in: loop controls
+        # ({% break %}, {% continue %}), {% generation %} blocks, its tojson.
+        super().__init__(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[loopcontrols, GenerationBlock])
         self._local = threading.local()
+        self.filters["tojson"] = tojson
         self.globals["raise_exception"] = _raise_template_error
         self.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self.globals["range"] = self._range
