@@ -198,3 +198,32 @@ def test_transformers_template_environment_loop_controls_generation_and_tojson(t
     assert "<system>" not in rendered and "<user>hi" in rendered
     assert "<b>bold</b> & 'quoted' text, café" in rendered  # not \u003cb\u003e...
     assert "caf\\u00e9" in rendered  # ensure_ascii=True where the template asks
+
+
+NONE_AND_REASONING = (
+    "{% for m in messages %}<{{ m['role'] }}>{% if m.content is defined %}C={{ m.content }}"
+    "{% endif %}{% if m.tool_calls is defined %}T={{ m.tool_calls | length }}{% endif %}"
+    "{% if m.reasoning_content is defined %}R={{ m.reasoning_content }}/{{ m.thinking }}"
+    "{% endif %}{% endfor %}")
+
+
+def test_messages_reach_the_template_as_transformers_hands_them_over(tmp_path):
+    """OpenAI clients send ``null`` fields back (``"tool_calls": null`` on a plain
+    assistant turn, ``"content": null`` beside tool calls): transformers drops them, so a
+    template's ``is defined`` test holds; reasoning under ``reasoning`` / ``thinking``
+    is also seen as ``reasoning_content`` (and the reverse)."""
+    from transformers import AutoTokenizer
+
+    messages = [
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": None, "reasoning": "think first",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "done", "tool_calls": None, "refusal": None},
+    ]
+    folder = _saved(tmp_path, "none", NONE_AND_REASONING)
+    ours = Tokenizer.from_dir(folder).apply_chat_template(messages, add_generation_prompt=False)
+    theirs = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
+    assert ours == theirs == ("<user>C=hi<assistant>T=1R=think first/think first<tool>C=42"
+                              "<assistant>C=done")

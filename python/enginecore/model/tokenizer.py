@@ -151,10 +151,10 @@ class Tokenizer:
         clash = reserved & set(template_kwargs)
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {sorted(clash)}")
-        rendered = messages
+        rendered = [template_message(m) for m in messages]
         if self.resolve_content_format(source, content_format) == "openai":
             rendered = [{**m, "content": [{"type": "text", "text": m["content"]}]}
-                        if isinstance(m.get("content"), str) else m for m in messages]
+                        if isinstance(m.get("content"), str) else m for m in rendered]
         variables = {"bos_token": self._token(self.bos_token_id),
                      "eos_token": self._token(self.eos_token_id), **template_kwargs,
                      "messages": rendered, "add_generation_prompt": add_generation_prompt,
@@ -170,6 +170,22 @@ class Tokenizer:
 
     def _token(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+# Names a message's reasoning goes by; templates read the first (transformers' list).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as transformers hands it to a chat template: keys whose value is None
+    dropped (OpenAI clients send ``"tool_calls": null``; templates test ``is defined``),
+    and reasoning under any of its names also under ``thinking`` and
+    ``reasoning_content``."""
+    out = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((out[k] for k in _REASONING_FIELDS if k in out), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
 
 
 _GIL_FREE_CHARS = 8192
