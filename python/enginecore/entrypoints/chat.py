@@ -102,7 +102,7 @@ class _LocalChat:
         self.loop = asyncio.new_event_loop()
         print("loading the model ...", file=sys.stderr, flush=True)
         self.engine = AsyncLLM.from_engine_args(
-            EngineArgs(model=args.model, max_num_seqs=4, kv_cache_memory_bytes=256 << 20),
+            EngineArgs(model=args.model, max_num_seqs=4, kv_cache_memory_bytes=512 << 20),
             log_stats=False)
         self.turns = 0
 

@@ -29,8 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sampling.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                           help="apply the model's chat template to the prompt")
     EngineArgs.add_cli_args(gen)
-    # One prompt: one sequence and a small KV cache (--kv-cache-memory-bytes changes it).
-    gen.set_defaults(func=run_generate, max_num_seqs=1, kv_cache_memory_bytes=256 << 20)
+    # One prompt: one sequence and a small KV cache (--kv-cache-memory-bytes changes it),
+    # big enough for the default model's whole context in float32 (the dtype a CPU
+    # without AVX-512 runs), so the first command a user runs warns of no cap.
+    gen.set_defaults(func=run_generate, max_num_seqs=1, kv_cache_memory_bytes=512 << 20)
 
 
 def run_generate(args: argparse.Namespace) -> int:
