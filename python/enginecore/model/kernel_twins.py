@@ -39,8 +39,7 @@ def _view(addr: int, dtype: torch.dtype, shape: tuple[int, ...],
     if any(n <= 0 for n in shape):
         return torch.empty(tuple(max(n, 0) for n in shape), dtype=dtype)
     extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
-    item = torch.empty((), dtype=dtype).element_size()
-    raw = (ctypes.c_char * (extent * item)).from_address(addr)
+    raw = (ctypes.c_char * (extent * dtype.itemsize)).from_address(addr)
     return torch.frombuffer(raw, dtype=dtype, count=extent).as_strided(shape, strides)
 
 

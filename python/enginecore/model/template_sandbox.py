@@ -100,7 +100,7 @@ def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
     """transformers' ``tojson`` for chat templates: plain ``json.dumps`` (jinja2's own
     filter HTML-escapes ``<``, ``>``, ``&`` and ``'``, which changes the prompt a tool
     schema renders to), with its ``ensure_ascii`` / ``separators`` / ``sort_keys``."""
-    if indent is not None and (not isinstance(indent, int) or abs(indent) > 1_000):
+    if isinstance(indent, int) and abs(indent) > 1_000:  # json.dumps also takes a str
         raise TemplateLimitError("tojson's indent in a chat template is limited to 1000")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)

@@ -70,14 +70,18 @@ def check_algo(algo: str) -> None:
         raise ValueError(f"unknown prefix caching hash algo {algo!r}; supported: {HASH_ALGOS}")
 
 
-def block_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | None,
-                    extra: bytes) -> list[bytes]:
-    """The twin of ``_C.block_hashes``: the chained hash of every full block of
-    ``token_ids``, with the extra keys already encoded (``encode_extra_keys``)."""
+def check_block_args(block_size: int, parent: bytes | None) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if parent is not None and len(parent) != 32:
         raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
+
+
+def block_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | None,
+                    extra: bytes) -> list[bytes]:
+    """The twin of ``_C.block_hashes``: the chained hash of every full block of
+    ``token_ids``, with the extra keys already encoded (``encode_extra_keys``)."""
+    check_block_args(block_size, parent)
     return chain_hashes_py(token_ids, block_size, parent, extra)
 
 
@@ -144,10 +148,9 @@ def block_hashes(
     from enginecore import _native
 
     check_algo(algo)
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    if parent is not None and len(parent) != 32:
-        raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
+    # Here too, so both paths refuse alike (pybind11 would raise TypeError for a
+    # negative block size, the twin ValueError).
+    check_block_args(block_size, parent)
     hashes = _native.twin("block_hashes", block_hashes_py)
     return hashes(token_ids, block_size, parent, encode_extra_keys(extra_keys))
 

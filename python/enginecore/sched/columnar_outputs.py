@@ -5,9 +5,9 @@ A plain decode is two appends (the request id, the new token list); outputs that
 are not plain decodes (finished, with logprobs, pooled, owed from outside a step)
 stay ``EngineCoreOutput`` objects in the token column, with ``None`` as their id.
 ``outputs`` is the typed view (one ``EngineCoreOutput`` per request) and
-``to_struct()`` the equivalent ``EngineCoreOutputs``: the native output thread
-writes msgpack straight from the columns (``csrc/output_encoder.cpp``), the Python
-path encodes ``to_struct()`` with msgspec; both give the same bytes.
+``to_struct()`` the equivalent ``EngineCoreOutputs``. The output thread writes msgpack
+straight from the columns (``csrc/output_encoder.cpp``, or its twin
+``serial.encode_columnar_py``): the same bytes as msgspec's encoding of ``to_struct()``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 appends sampled tokens, applies the stop checks in vLLM's order, frees finished
 requests and builds each client's outputs: a ``ColumnarOutputs`` per client on
 both paths (``.outputs`` is the typed view; the encoder writes msgpack from the
-columns natively, or through ``to_struct()`` and msgspec on the Python path).
+columns, natively or through its twin ``serial.encode_columnar_py``).
 The plain-decode loop is ``update_decodes`` (sched/scheduler_loops.py, native in
 csrc/scheduler_loops.cpp); one request that makes either loop raise ends alone
 with ERROR."""
