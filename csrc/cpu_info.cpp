@@ -27,6 +27,9 @@
 namespace py = pybind11;
 
 namespace enginecore {
+
+const char* bf16_linear_isa();  // bf16_gemm.cpp
+
 namespace {
 
 struct CpuFeatures {
@@ -79,6 +82,8 @@ py::dict cpu_kernels_info() {
   d["avx512_bf16"] = f.avx512_bf16;
   d["amx"] = f.amx_tile && f.amx_bf16 && f.amx_os;
   d["amx_permission"] = amx_permission();
+  // The bf16 GEMM model/linear.py runs where oneDNN has no bf16 path.
+  d["bf16_linear"] = bf16_linear_isa();
   d["amx_kernels"] = "none (no AMX kernel ships: none could be verified on an AMX machine)";
   return d;
 }

@@ -190,12 +190,19 @@ def silu_and_mul(x: int, x_stride: int, out: int, out_stride: int, rows: int, wi
     """out = silu(gate) * up for rows of [gate | up] (twin:
     ``model.kernel_twins.silu_and_mul_py``)."""
 
+def bf16_linear(x: int, x_stride: int, rows: int, panels: int, bias: int, out: int,
+                out_stride: int, in_features: int, out_features: int, num_threads: int) -> None:
+    """out[rows, out_features] = x W^T (+ bias) in bfloat16, float32 FMA inside, W in
+    16-feature panels [ceil(N/16)][K][16] (``model.linear.pack_panels``); bias 0: none
+    (twin: ``model.kernel_twins.bf16_linear_py``)."""
+
 def cpu_kernels_info() -> dict[str, str | bool]:
     """The instruction set the CPU model kernels run with (``isa``: avx512 / avx2 /
     baseline), the OpenMP runtime (torch's) they split work on (``openmp``, '' = serial),
     the CPU's ``avx2`` / ``avx512f`` / ``avx512_bf16`` / ``amx`` (CPUID and the OS's
     XSAVE state), ``amx_permission`` (Linux's arch_prctl: granted / not requested) and
-    ``amx_kernels`` (none ship). Twin: ``model.kernel_twins.cpu_kernels_info_py``."""
+    ``amx_kernels`` (none ship), ``bf16_linear`` (the ISA of bf16_linear's tiles: avx2 /
+    portable). Twin: ``model.kernel_twins.cpu_kernels_info_py``."""
 
 def bind_openmp_threads(cpus: list[int]) -> list[int]:
     """Bind thread i of torch's OpenMP team of len(cpus) threads to cpus[i]; returns each

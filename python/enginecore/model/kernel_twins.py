@@ -20,6 +20,7 @@ import torch
 
 from enginecore.loaded_libraries import loaded_library_path
 from enginecore.model.fused_ops import rms_norm_torch, silu_and_mul_torch
+from enginecore.model.linear import PANEL, bf16_linear_torch, unpack_panels
 from enginecore.model.rope import apply_rope
 
 # The kernels' dtype codes (csrc/cpu_kernels.h DType).
@@ -167,4 +168,25 @@ def cpu_kernels_info_py() -> dict[str, str | bool]:
             "avx512_bf16": "avx512_bf16" in flags,
             "amx": {"amx_bf16", "amx_tile"} <= flags,
             "amx_permission": "not requested",
+            "bf16_linear": "torch",
             "amx_kernels": "none (the Python path runs torch's own ops)"}
+
+
+def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out: int,
+                   out_stride: int, in_features: int, out_features: int,
+                   num_threads: int) -> None:
+    """The twin of ``_C.bf16_linear``: out = x W^T (+ bias) in bfloat16, float32 inside,
+    W in ``linear.pack_panels``' layout (bias 0: none)."""
+    if rows < 0 or in_features <= 0 or out_features <= 0:
+        raise ValueError("bf16_linear: rows >= 0, in_features > 0, out_features > 0")
+    if x_stride < in_features or out_stride < out_features:
+        raise ValueError("bf16_linear: a row stride is shorter than its row")
+    if rows == 0:
+        return
+    count = -(-out_features // PANEL)
+    bf = torch.bfloat16
+    w = unpack_panels(_view(panels, bf, (count, in_features, PANEL),
+                            (in_features * PANEL, PANEL, 1)), out_features)
+    b = _view(bias, bf, (out_features,), (1,)) if bias else None
+    xs = _view(x, bf, (rows, in_features), (x_stride, 1))
+    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_linear_torch(xs, w, b))

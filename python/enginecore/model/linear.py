@@ -1,14 +1,24 @@
 """Weights of the model's matmuls, pre-packed once at load for the CPU GEMM.
 
-bfloat16 on the CPU: the weight is reordered once into oneDNN's blocked
+bfloat16 on a CPU whose oneDNN has a bf16 path (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT; "onednn"): the weight is reordered once into oneDNN's blocked
 layout (``torch.ops.mkldnn._reorder_linear_weight``) and each call runs
 ``torch.ops.mkldnn._linear_pointwise`` on it, instead of ``F.linear``, which
 reorders the plain weight on every call. Same kernel family, same bits (checked
 in tests/test_linear.py); faster per call, most at small batches and on the
-49k-row LM head (docs/benchmarks.md). The plain weight is not kept: ``dense()``
-gives it back (for saving, LoRA shapes, moving devices).
-Everything else (float32, where MKL's sgemm measured no steadier gain from
-packing, float16, CUDA) calls ``F.linear`` on the plain weight.
+49k-row LM head (docs/benchmarks.md).
+
+bfloat16 on an AVX2-only CPU ("panels"): oneDNN's reorder refuses to run there and
+torch's bf16 matmul measured ~3x slower than its float32 one beyond one row, so
+the weight is laid out in 16-feature panels (``pack_panels``) for the native
+``_C.bf16_linear``: bf16 weights (half the bytes float32 moves), widened in
+registers, float32 FMA, one rounding to bf16 (``bf16_linear_torch`` is that
+arithmetic in torch; on the Python path the weight stays plain and ``F.linear``
+runs, the same float32-accumulated arithmetic).
+
+The plain weight is not kept: ``dense()`` gives it back (for saving, LoRA shapes,
+moving devices). Everything else (float32, where MKL's sgemm measured no steadier
+gain from packing, float16, CUDA) calls ``F.linear`` on the plain weight.
 ``ENGINECORE_PACK_WEIGHTS=0`` keeps every weight plain (to measure the difference).
 """
 
@@ -20,57 +30,127 @@ import os
 import torch
 import torch.nn.functional as F
 
+from enginecore import _native
+
+# Output features per panel of _C.bf16_linear's weight layout (csrc/bf16_gemm.cpp kNR).
+PANEL = 16
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
 
 @functools.cache
 def cpu_packs_bf16() -> bool:
     """oneDNN's bf16 weight reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on
-    an AVX2-only CPU it raises, so bf16 weights stay plain there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return False
+    an AVX2-only CPU it raises."""
+    flags = _cpu_flags()
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 
-def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
+def packing_enabled(dtype: torch.dtype, device: torch.device) -> str | None:
+    """How this dtype's weights are packed on this device: "onednn", "panels" or
+    None (plain)."""
     flag = os.environ.get("ENGINECORE_PACK_WEIGHTS", "1").strip().lower()
-    if flag in ("0", "false", "no", "off"):
-        return False
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and cpu_packs_bf16())
+    if flag in ("0", "false", "no", "off") or device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if cpu_packs_bf16():
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+            return "onednn"
+        return None
+    ext = _native.extension()
+    if ext is not None and ext.cpu_kernels_info().get("bf16_linear") == "avx2":
+        return "panels"
+    return None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: panel p holds features 16p..16p+15 (zeros past N)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``pack_panels``' inverse: the plain [N, K] weight."""
+    count, k, _ = panels.shape
+    return panels.transpose(1, 2).reshape(count * PANEL, k)[:out_features].contiguous()
+
+
+def bf16_linear_torch(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """``_C.bf16_linear``'s arithmetic in torch: float32 products and sums (in MKL's
+    order), the bias added in float32, one rounding to bfloat16."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y += bias.float()
+    return y.to(torch.bfloat16)
+
+
+def bf16_linear_args(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                     out: torch.Tensor) -> tuple:
+    """What ``_C.bf16_linear`` (and ``kernel_twins.bf16_linear_py``) take."""
+    return (x.data_ptr(), x.stride(0), x.shape[0], panels.data_ptr(),
+            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            x.shape[1], out.shape[1], torch.get_num_threads())
 
 
 class Linear:
     """y = x W^T (+ b) for x [tokens, in_features]."""
 
-    __slots__ = ("bias", "in_features", "out_features", "packed", "weight")
+    __slots__ = ("bias", "in_features", "kind", "out_features", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 pack: bool = False) -> None:
+                 pack: str | bool | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.kind = "onednn" if pack is True else (pack or None)
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
-        if pack:
+        if self.kind == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        elif self.kind == "panels":
+            self.packed = pack_panels(weight)
+            if bias is not None:
+                self.bias = bias.contiguous()
+        elif self.kind is not None:
+            raise ValueError(f"unknown weight packing {pack!r}")
+        if self.packed is not None:
             self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.kind is None:
             return F.linear(x, self.weight, self.bias)
+        if self.kind == "panels":
+            return self._panels(x)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                   "none", [], "")
 
+    def _panels(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
+            x2 = x2.to(torch.bfloat16).contiguous()
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        _native.extension().bf16_linear(*bf16_linear_args(x2, self.packed, self.bias, out))
+        return out.view(*lead, self.out_features)
+
     def dense(self) -> torch.Tensor:
+        if self.kind == "panels":
+            return unpack_panels(self.packed, self.out_features)
         return self.weight if self.packed is None else self.packed.to_dense()
 
     def to(self, device: torch.device) -> Linear:
         """A plain copy on `device` (packing is for the CPU only)."""
         bias = None if self.bias is None else self.bias.to(device)
-        pack = packing_enabled(self.dense().dtype, device)
-        return Linear(self.dense().to(device), bias, pack)
+        dense = self.dense()
+        return Linear(dense.to(device), bias, packing_enabled(dense.dtype, device))
 
     def nbytes(self) -> int:
         n = self.out_features * self.in_features

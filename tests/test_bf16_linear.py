@@ -1,0 +1,153 @@
+"""The AVX2 bf16 GEMM (csrc/bf16_gemm.cpp ``_C.bf16_linear``) against its twin
+(``kernel_twins.bf16_linear_py``) on the same buffers, and ``Linear``'s panel layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enginecore import _native
+from enginecore.model import kernel_twins
+from enginecore.model.linear import (
+    Linear,
+    bf16_linear_args,
+    bf16_linear_torch,
+    pack_panels,
+    packing_enabled,
+    unpack_panels,
+)
+
+C = _native._ext
+needs_native = pytest.mark.skipif(C is None, reason="native extension not built")
+BOTH = [pytest.param("native", marks=needs_native), "python"]
+
+
+def _fn(path):
+    return C.bf16_linear if path == "native" else kernel_twins.bf16_linear_py
+
+
+def _case(rows, n, k, seed, bias=True, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * scale).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    return x, w, b
+
+
+def _run(path, x, w, b, threads=None, out=None):
+    out = torch.full((x.shape[0], w.shape[0]), 7.0, dtype=torch.bfloat16) if out is None else out
+    args = list(bf16_linear_args(x, panels := pack_panels(w), b, out))
+    if threads is not None:
+        args[-1] = threads
+    _fn(path)(*args)
+    del panels
+    return out
+
+
+# Row counts around the 6-row register tile and the 72-row block; features around
+# the 16-wide panel; K around the 256 block.
+@needs_native
+@pytest.mark.parametrize("rows,n,k", [(1, 16, 8), (5, 33, 80), (6, 100, 256), (7, 130, 257),
+                                      (72, 48, 300), (73, 1000, 513), (200, 17, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_its_twin_within_one_bf16_rounding(rows, n, k, bias):
+    x, w, b = _case(rows, n, k, rows * 1000 + n, bias)
+    native, twin = _run("native", x, w, b), _run("python", x, w, b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    # each is the float32 sum rounded once to bf16: within one bf16 ulp of the exact value
+    ulp = exact.abs().clamp_min(1e-3) * 2.0 ** -7
+    assert ((native.double() - exact).abs() <= ulp).all()
+    assert ((twin.double() - exact).abs() <= ulp).all()
+    assert (native != twin).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("path", BOTH)
+def test_exact_sums_give_the_same_bits_on_both_paths(path):
+    # small integers: every product and partial sum is exact in float32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (9, 70), generator=g).bfloat16()
+    w = torch.randint(-4, 5, (37, 70), generator=g).bfloat16()
+    b = torch.randint(-8, 9, (37,), generator=g).bfloat16()
+    expected = (x.float() @ w.float().T + b.float()).bfloat16()
+    assert torch.equal(_run(path, x, w, b), expected)
+
+
+@needs_native
+def test_the_same_bits_for_any_thread_count():
+    x, w, b = _case(80, 700, 600, 11)
+    results = [_run("native", x, w, b, threads=t) for t in (1, 2, 3, 8)]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("path", BOTH)
+def test_strided_rows_in_and_out_and_nothing_written_outside(path):
+    x_big, w, b = _case(6, 40, 50, 5)
+    x_wide = torch.randn(6, 64).bfloat16()
+    x_wide[:, :50] = x_big
+    x = x_wide[:, :50]  # rows 64 apart
+    out_wide = torch.full((6, 48), 3.0, dtype=torch.bfloat16)
+    _run(path, x, w, b, out=out_wide[:, :40])
+    assert torch.equal(out_wide[:, 40:], torch.full((6, 8), 3.0, dtype=torch.bfloat16))
+    ref = bf16_linear_torch(x_big, w, b).float()
+    assert torch.allclose(out_wide[:, :40].float(), ref, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("path", BOTH)
+def test_nan_and_inf_propagate(path):
+    x, w, _ = _case(3, 20, 16, 9, bias=False)
+    x[1, 4] = float("nan")
+    w[7, :] = 0
+    w[7, 0] = float("inf")
+    x[2, 0] = 1.0
+    out = _run(path, x, w, None)
+    assert out[1].isnan().all()
+    assert out[2, 7] == float("inf")
+
+
+@pytest.mark.parametrize("path", BOTH)
+def test_bad_sizes_are_refused_alike(path):
+    x, w, b = _case(2, 16, 8, 1)
+    out = torch.empty(2, 16, dtype=torch.bfloat16)
+    args = list(bf16_linear_args(x, pack_panels(w), b, out))
+    for i, bad in ((1, 4), (6, 3), (7, 0), (8, 0), (2, -1)):
+        broken = list(args)
+        broken[i] = bad
+        with pytest.raises(ValueError):
+            _fn(path)(*broken)
+    args[2] = 0  # no rows: nothing to do
+    _fn(path)(*args)
+
+
+def test_panels_round_trip_the_weight():
+    w = torch.randn(37, 11).bfloat16()
+    panels = pack_panels(w)
+    assert panels.shape == (3, 11, 16) and panels.is_contiguous()
+    assert torch.equal(panels[2, :, 5:], torch.zeros(11, 11, dtype=torch.bfloat16))
+    assert torch.equal(unpack_panels(panels, 37), w)
+
+
+@needs_native
+def test_linear_with_panels_keeps_no_plain_copy_and_gives_the_weight_back():
+    x, w, b = _case(4, 50, 24, 2)
+    lin = Linear(w, b, pack="panels")
+    assert lin.weight is None and lin.kind == "panels"
+    assert torch.equal(lin.dense(), w)
+    y = lin(x.view(2, 2, 24))  # leading dims kept
+    assert y.shape == (2, 2, 50)
+    assert torch.equal(y.view(4, 50), _run("native", x, w, b))
+    assert lin.nbytes() == 50 * 24 * 2 + 50 * 2
+    moved = lin.to(torch.device("cpu"))
+    assert torch.equal(moved.dense(), w)
+
+
+def test_packing_picks_panels_only_where_onednn_has_no_bf16_path(monkeypatch):
+    cpu = torch.device("cpu")
+    kind = packing_enabled(torch.bfloat16, cpu)
+    info = C.cpu_kernels_info() if C is not None else {}
+    if C is None:
+        assert kind in (None, "onednn")
+    elif info["bf16_linear"] == "avx2" and not info["avx512f"]:
+        assert kind == "panels"
+    assert packing_enabled(torch.float32, cpu) is None
+    monkeypatch.setenv("ENGINECORE_PACK_WEIGHTS", "0")
+    assert packing_enabled(torch.bfloat16, cpu) is None
