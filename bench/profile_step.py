@@ -5,7 +5,8 @@ name for this run only (the engine itself carries no profiler hooks).
 
 Run: python bench/profile_step.py [--batches 1,8,32,64] [--steps 6] [--dtype auto]
 
-Categories: GEMMs (torch's linear / matmul / oneDNN ops, the LM head included),
+Categories: GEMMs (torch's linear / matmul / oneDNN ops and ``_C.bf16_linear``, the LM
+head included),
 the native kernels by name, other torch ops, and the rest of the step (Python
 orchestration: scheduler, runner bookkeeping, outputs), as shares of the step's
 wall time. Prints the CPU model and flags first.
@@ -26,6 +27,8 @@ from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm",
             "mkldnn::_linear_pointwise", "aten::mkldnn_linear")
 NATIVE_KERNELS = ("paged_attention", "rms_norm", "rope", "silu_and_mul", "greedy_argmax")
+# Native GEMMs (bf16 weights on AVX2-only CPUs, model/linear.py) count as GEMMs.
+NATIVE_GEMMS = ("bf16_linear",)
 
 
 def cpu_header() -> str:
@@ -48,7 +51,7 @@ def wrap_native() -> None:
     proxy = types.ModuleType("enginecore._C_profiled")
     for name in dir(ext):
         fn = getattr(ext, name)
-        if name in NATIVE_KERNELS:
+        if name in NATIVE_KERNELS + NATIVE_GEMMS:
             def wrapped(*a, _fn=fn, _name=name, **k):
                 with record_function(f"native::{_name}"):
                     return _fn(*a, **k)
@@ -81,7 +84,9 @@ def profile_batch(eng: EngineCore, batch: int, steps: int) -> dict[str, float]:
         if evt.cpu_parent is not None:
             continue
         name, us = evt.name, evt.cpu_time_total
-        if name.startswith("native::"):
+        if name.removeprefix("native::") in NATIVE_GEMMS:
+            shares["gemm"] += us
+        elif name.startswith("native::"):
             shares[name.removeprefix("native::")] += us
         elif name in GEMM_OPS:
             shares["gemm"] += us

@@ -61,6 +61,15 @@ def test_minilm_matches_transformers(minilm, multiprocess_mode):
     assert torch.allclose(got.norm(dim=-1), torch.ones(10), atol=1e-5)
 
 
+def test_minilm_in_bfloat16_stays_close_to_transformers(minilm):
+    # bf16 weights take the packed CPU GEMM (oneDNN's, or _C.bf16_linear on AVX2)
+    with LLM(minilm, dtype="bfloat16", multiprocess_mode=False) as llm:
+        outs = llm.embed(SENTENCES)
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    cos = torch.nn.functional.cosine_similarity(got, reference(minilm), dim=-1)
+    assert torch.all(cos > 0.99), cos
+
+
 def test_tasks_are_checked_per_request(minilm, caplog, hot_path):
     with caplog.at_level(logging.INFO):
         eng = EngineCore(EngineArgs(model=minilm, dtype="float32").create_engine_config())

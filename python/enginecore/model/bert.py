@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from enginecore.model.linear import Linear, packing_enabled
+
 logger = logging.getLogger(__name__)
 
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForSequenceClassification")
@@ -75,8 +77,8 @@ def load_pooler_config(model_dir: str) -> PoolerConfig:
 
 
 class BertLayer:
-    __slots__ = ("qkv_w", "qkv_b", "o_w", "o_b", "ln1_w", "ln1_b", "up_w", "up_b",
-                 "down_w", "down_b", "ln2_w", "ln2_b")
+    # The four projections are ``Linear``s (bias inside), packed for the CPU GEMM.
+    __slots__ = ("qkv", "o", "up", "down", "ln1_w", "ln1_b", "ln2_w", "ln2_b")
 
 
 class BertEncoder:
@@ -106,20 +108,21 @@ class BertEncoder:
         self.emb_ln_w = take("embeddings.LayerNorm.weight")
         self.emb_ln_b = take("embeddings.LayerNorm.bias")
         self.layers = []
+        pack = packing_enabled(self.dtype, self.device)
         for i in range(self.cfg.num_layers):
             p = f"encoder.layer.{i}."
             L = BertLayer()
-            L.qkv_w = torch.cat([take(p + f"attention.self.{n}.weight")
-                                 for n in ("query", "key", "value")]).contiguous()
-            L.qkv_b = torch.cat([take(p + f"attention.self.{n}.bias")
-                                 for n in ("query", "key", "value")]).contiguous()
-            L.o_w, L.o_b = take(p + "attention.output.dense.weight"), take(
-                p + "attention.output.dense.bias")
+            L.qkv = Linear(torch.cat([take(p + f"attention.self.{n}.weight")
+                                      for n in ("query", "key", "value")]).contiguous(),
+                           torch.cat([take(p + f"attention.self.{n}.bias")
+                                      for n in ("query", "key", "value")]).contiguous(), pack)
+            L.o = Linear(take(p + "attention.output.dense.weight"),
+                         take(p + "attention.output.dense.bias"), pack)
             L.ln1_w, L.ln1_b = take(p + "attention.output.LayerNorm.weight"), take(
                 p + "attention.output.LayerNorm.bias")
-            L.up_w, L.up_b = take(p + "intermediate.dense.weight"), take(
-                p + "intermediate.dense.bias")
-            L.down_w, L.down_b = take(p + "output.dense.weight"), take(p + "output.dense.bias")
+            L.up = Linear(take(p + "intermediate.dense.weight"),
+                          take(p + "intermediate.dense.bias"), pack)
+            L.down = Linear(take(p + "output.dense.weight"), take(p + "output.dense.bias"), pack)
             L.ln2_w, L.ln2_b = take(p + "output.LayerNorm.weight"), take(
                 p + "output.LayerNorm.bias")
             self.layers.append(L)
@@ -129,7 +132,8 @@ class BertEncoder:
     def weight_bytes(self) -> int:
         n = sum(t.numel() * t.element_size() for t in (self.word, self.pos, self.type))
         for L in self.layers:
-            n += sum(getattr(L, s).numel() * getattr(L, s).element_size() for s in L.__slots__)
+            n += sum(lin.nbytes() for lin in (L.qkv, L.o, L.up, L.down))
+            n += sum(t.numel() * t.element_size() for t in (L.ln1_w, L.ln1_b, L.ln2_w, L.ln2_b))
         return n
 
     @torch.inference_mode()
@@ -146,13 +150,13 @@ class BertEncoder:
         lens = torch.tensor(lengths, device=self.device)
         mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, Lmax]
         for L in self.layers:
-            qkv = F.linear(x, L.qkv_w, L.qkv_b).view(B, Lmax, 3, nh, hd)
+            qkv = L.qkv(x).view(B, Lmax, 3, nh, hd)
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             a = a.transpose(1, 2).reshape(B, Lmax, H)
-            x = F.layer_norm(F.linear(a, L.o_w, L.o_b) + x, (H,), L.ln1_w, L.ln1_b, eps)
-            h = F.gelu(F.linear(x, L.up_w, L.up_b))
-            x = F.layer_norm(F.linear(h, L.down_w, L.down_b) + x, (H,), L.ln2_w, L.ln2_b, eps)
+            x = F.layer_norm(L.o(a) + x, (H,), L.ln1_w, L.ln1_b, eps)
+            h = F.gelu(L.up(x))
+            x = F.layer_norm(L.down(h) + x, (H,), L.ln2_w, L.ln2_b, eps)
         return x
 
 

@@ -127,19 +127,23 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind is None:
             return F.linear(x, self.weight, self.bias)
-        if self.kind == "panels":
-            return self._panels(x)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
-                                                  "none", [], "")
-
-    def _panels(self, x: torch.Tensor) -> torch.Tensor:
+        # Packed kernels take [tokens, in_features]; leading dims (an encoder's
+        # [batch, length]) are folded into tokens and restored.
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
-            x2 = x2.to(torch.bfloat16).contiguous()
-        out = x2.new_empty(x2.shape[0], self.out_features)
-        _native.extension().bf16_linear(*bf16_linear_args(x2, self.packed, self.bias, out))
-        return out.view(*lead, self.out_features)
+        if self.kind == "panels":
+            out = self._panels(x2)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias,
+                                                     "none", [], "")
+        return out if len(lead) == 1 else out.view(*lead, self.out_features)
+
+    def _panels(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+            x = x.to(torch.bfloat16).contiguous()
+        out = x.new_empty(x.shape[0], self.out_features)
+        _native.extension().bf16_linear(*bf16_linear_args(x, self.packed, self.bias, out))
+        return out
 
     def dense(self) -> torch.Tensor:
         if self.kind == "panels":

@@ -74,13 +74,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_runs_bf16_fast() -> bool:
+    """Whether bfloat16 is the faster model dtype on this CPU: a native bf16 GEMM
+    (AVX512_BF16 / AMX, oneDNN's) or AVX2 + FMA, where ``_C.bf16_linear`` runs bf16
+    weights at or above torch's float32 speed at every batch (docs/benchmarks.md)
+    and a memory-bound decode moves half the bytes. Older CPUs: float32."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
         return False
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+    return bool({"avx512_bf16", "amx_bf16"} & flags) or {"avx2", "fma"} <= flags
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
@@ -92,7 +96,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         if device.startswith("cuda"):
             return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        return "bfloat16" if cpu_has_native_bf16() else "float32"
+        return "bfloat16" if cpu_runs_bf16_fast() else "float32"
     if dtype not in _DTYPES:
         raise ValueError(
             f"unsupported dtype {dtype!r}; supported: auto, float32, bfloat16, float16")
