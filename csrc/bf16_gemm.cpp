@@ -11,7 +11,8 @@
 // (zero rows past N), so one k step of a panel is 32 contiguous bytes.
 // Blocking as a BLIS-style GEMM: a 6 x 16 register tile (12 accumulators),
 // K in blocks of 256 (the 8 KiB panel block stays in L1 across the row tiles),
-// rows in blocks of 72 (the float32 x block stays in L2 across panels).
+// rows in blocks of 72 (the float32 x block stays in L2 across panels; x is
+// widened once, in chunks of at most 16 MiB of floats).
 //
 // Numerics: every output is one float32 FMA chain over k in order (carried
 // exactly through a float32 scratch between K blocks), plus the bias, rounded
@@ -49,7 +50,8 @@ inline float bf16_to_f32(uint16_t b) {
   return f;
 }
 
-// Round to nearest even, NaN kept a (quiet) NaN: torch's float -> bfloat16.
+// Round to nearest even (torch's float -> bfloat16); a NaN becomes the quiet NaN
+// 0x7fc0, as c10's scalar conversion (torch's vectorised one may keep other NaN bits).
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -58,7 +60,7 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 struct GemmJob {
-  const float* x;  // [M, K] float32
+  const float* x;  // [M, K] float32: this chunk's rows of x, widened
   int64_t M, K, N, panels;
   const uint16_t* w;     // [panels][K][16]
   const uint16_t* bias;  // [N] or nullptr
@@ -155,6 +157,7 @@ void run_item(void* ctx, int64_t item) {
   const int64_t p0 = (item % j.n_items) * j.panels_per_item;
   const int64_t p1 = p0 + j.panels_per_item < j.panels ? p0 + j.panels_per_item : j.panels;
   const int64_t ldc = (p1 - p0) * kNR;
+  // Per thread: the float32 output tile (~72 KiB).
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < kMC * ldc) scratch.resize(kMC * ldc);
   float* c = scratch.data();
@@ -182,6 +185,23 @@ void run_item(void* ctx, int64_t item) {
   }
 }
 
+struct WidenJob {
+  const uint16_t* x;
+  int64_t x_stride, K;
+  float* dst;
+};
+
+void widen_row(void* ctx, int64_t m) {
+  const auto& j = *static_cast<const WidenJob*>(ctx);
+  const uint16_t* src = j.x + m * j.x_stride;
+  float* dst = j.dst + m * j.K;
+  for (int64_t k = 0; k < j.K; ++k) dst[k] = bf16_to_f32(src[k]);
+}
+
+// Rows of x widened per chunk: at most this many floats (16 MiB) of scratch,
+// however long the prefill, and at least one row block.
+constexpr int64_t kChunkFloats = 1 << 22;
+
 void bf16_linear(uintptr_t x, int64_t x_stride, int64_t rows, uintptr_t panels, uintptr_t bias,
                  uintptr_t out, int64_t out_stride, int64_t in_features, int64_t out_features,
                  int num_threads) {
@@ -193,34 +213,39 @@ void bf16_linear(uintptr_t x, int64_t x_stride, int64_t rows, uintptr_t panels, 
   }
   if (rows == 0) return;
   if (x == 0 || panels == 0 || out == 0) throw std::invalid_argument("bf16_linear: null buffer");
-  const auto* xb = reinterpret_cast<const uint16_t*>(x);
   GemmJob job{};
-  job.M = rows;
   job.K = in_features;
   job.N = out_features;
   job.panels = (out_features + kNR - 1) / kNR;
   job.w = reinterpret_cast<const uint16_t*>(panels);
   job.bias = reinterpret_cast<const uint16_t*>(bias);
-  job.out = reinterpret_cast<uint16_t*>(out);
   job.out_stride = out_stride;
   const int threads = num_threads > 1 ? num_threads : 1;
-  // About four items per thread so uneven finishing evens out; a panel group
-  // never exceeds 16 panels (256 features: a 72 KiB float32 scratch tile).
-  int64_t per = (job.panels + 4LL * threads - 1) / (4LL * threads);
-  job.panels_per_item = per < 1 ? 1 : (per > 16 ? 16 : per);
-  job.n_items = (job.panels + job.panels_per_item - 1) / job.panels_per_item;
-  const int64_t m_items = (rows + kMC - 1) / kMC;
+  int64_t chunk = kChunkFloats / in_features / kMC * kMC;
+  if (chunk < kMC) chunk = kMC;
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  auto* ob = reinterpret_cast<uint16_t*>(out);
   py::gil_scoped_release release;
-  // x widened once: the tiles broadcast float32 scalars from it.
+  // x widened once per chunk, rows in parallel: the tiles broadcast float32 scalars.
   thread_local std::vector<float> xf;
-  if (static_cast<int64_t>(xf.size()) < rows * in_features) xf.resize(rows * in_features);
-  for (int64_t m = 0; m < rows; ++m) {
-    const uint16_t* src = xb + m * x_stride;
-    float* dst = xf.data() + m * in_features;
-    for (int64_t k = 0; k < in_features; ++k) dst[k] = bf16_to_f32(src[k]);
+  const int64_t first = rows < chunk ? rows : chunk;
+  if (static_cast<int64_t>(xf.size()) < first * in_features) xf.resize(first * in_features);
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
+    WidenJob widen{xb + r0 * x_stride, x_stride, in_features, xf.data()};
+    parallel_for(n, n * in_features >= (1 << 15) ? threads : 1, widen_row, &widen);
+    job.x = xf.data();
+    job.M = n;
+    job.out = ob + r0 * out_stride;
+    // About four items per thread, row blocks counted, so uneven finishing evens
+    // out; never over 16 panels per item (256 features: a 72 KiB float32 tile).
+    const int64_t m_items = (n + kMC - 1) / kMC;
+    const int64_t target = 4LL * threads;
+    int64_t per = (job.panels * m_items + target - 1) / target;
+    job.panels_per_item = per < 1 ? 1 : (per > 16 ? 16 : per);
+    job.n_items = (job.panels + job.panels_per_item - 1) / job.panels_per_item;
+    parallel_for(m_items * job.n_items, threads, run_item, &job);
   }
-  job.x = xf.data();
-  parallel_for(m_items * job.n_items, threads, run_item, &job);
 }
 
 }  // namespace
@@ -232,7 +257,7 @@ void bind_bf16_gemm(py::module_& m) {
         py::arg("panels"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
         py::arg("in_features"), py::arg("out_features"), py::arg("num_threads"),
         "out[rows, out_features] = x W^T (+ bias), bfloat16 in and out, float32 FMA inside; "
-        "W in 16-feature panels [ceil(N/16)][K][16] (bias 0: none).");
+        "W in 16-feature panels [ceil(N/16)][K][16] (bias 0: none); out must not overlap x.");
 }
 
 }  // namespace enginecore

@@ -44,11 +44,12 @@ def _run(path, x, w, b, threads=None, out=None):
     return out
 
 
-# Row counts around the 6-row register tile and the 72-row block; features around
-# the 16-wide panel; K around the 256 block.
+# Row counts around the 6-row register tile, the 72-row block and the widening chunk
+# (16 MiB of floats); features around the 16-wide panel; K around the 256 block.
 @needs_native
 @pytest.mark.parametrize("rows,n,k", [(1, 16, 8), (5, 33, 80), (6, 100, 256), (7, 130, 257),
-                                      (72, 48, 300), (73, 1000, 513), (200, 17, 64)])
+                                      (72, 48, 300), (73, 1000, 513), (200, 17, 64),
+                                      (1010, 20, 4096)])  # x widened in 1008-row chunks
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_its_twin_within_one_bf16_rounding(rows, n, k, bias):
     x, w, b = _case(rows, n, k, rows * 1000 + n, bias)
@@ -135,9 +136,51 @@ def test_linear_with_panels_keeps_no_plain_copy_and_gives_the_weight_back():
     y = lin(x.view(2, 2, 24))  # leading dims kept
     assert y.shape == (2, 2, 50)
     assert torch.equal(y.view(4, 50), _run("native", x, w, b))
-    assert lin.nbytes() == 50 * 24 * 2 + 50 * 2
+    assert lin.nbytes() == 64 * 24 * 2 + 50 * 2  # panels padded to 16 features
     moved = lin.to(torch.device("cpu"))
     assert torch.equal(moved.dense(), w)
+
+
+@needs_native
+def test_linear_with_panels_takes_what_f_linear_takes_and_refuses_the_rest():
+    x, w, b = _case(5, 40, 64, 8)
+    lin = Linear(w, b, pack="panels")
+    ref = bf16_linear_torch(x, w, b).float()
+    close = {"rtol": 2 ** -7, "atol": 1e-2}
+    # broadcast, overlapping and transposed rows are read as F.linear reads them
+    row = x[:1].expand(5, 64)
+    assert torch.allclose(lin(row).float(), bf16_linear_torch(row.contiguous(), w, b).float(),
+                          **close)
+    wide = torch.randn(64 + 4).bfloat16()
+    overlapping = wide.unfold(0, 64, 1)
+    assert torch.allclose(lin(overlapping).float(),
+                          bf16_linear_torch(overlapping.contiguous(), w, b).float(), **close)
+    assert torch.allclose(lin(x.T.contiguous().T).float(), ref, **close)
+    with pytest.raises(ValueError, match="features"):
+        lin(torch.randn(10, 32).bfloat16())  # 320 elements: divisible, still wrong
+    with pytest.raises(ValueError, match="float32"):
+        lin(x.float())
+    with pytest.raises(ValueError, match="bias"):
+        Linear(w, b.float(), pack="panels")
+    with pytest.raises(ValueError, match="bias"):
+        Linear(w, b[:30], pack="panels")
+    with pytest.raises(ValueError, match="bfloat16"):
+        Linear(w.float(), pack="panels")
+    empty = Linear(torch.empty(0, 64, dtype=torch.bfloat16), pack="panels")
+    assert lin(x[:0]).shape == (0, 40) and empty(x).shape == (5, 0)
+
+
+@needs_native
+def test_a_packed_linear_still_answers_when_the_native_path_is_switched_off():
+    x, w, b = _case(3, 20, 16, 12)
+    lin = Linear(w, b, pack="panels")
+    native = lin(x)
+    was = _native.native_available()
+    _native.set_native(False)
+    try:
+        assert torch.allclose(lin(x).float(), native.float(), rtol=2 ** -7, atol=1e-2)
+    finally:
+        _native.set_native(was)
 
 
 def test_packing_picks_panels_only_where_onednn_has_no_bf16_path(monkeypatch):

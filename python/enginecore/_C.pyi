@@ -193,8 +193,8 @@ def silu_and_mul(x: int, x_stride: int, out: int, out_stride: int, rows: int, wi
 def bf16_linear(x: int, x_stride: int, rows: int, panels: int, bias: int, out: int,
                 out_stride: int, in_features: int, out_features: int, num_threads: int) -> None:
     """out[rows, out_features] = x W^T (+ bias) in bfloat16, float32 FMA inside, W in
-    16-feature panels [ceil(N/16)][K][16] (``model.linear.pack_panels``); bias 0: none
-    (twin: ``model.kernel_twins.bf16_linear_py``)."""
+    16-feature panels [ceil(N/16)][K][16] (``model.linear.pack_panels``); bias 0: none;
+    ``out`` must not overlap ``x`` (twin: ``model.kernel_twins.bf16_linear_py``)."""
 
 def cpu_kernels_info() -> dict[str, str | bool]:
     """The instruction set the CPU model kernels run with (``isa``: avx512 / avx2 /

@@ -183,6 +183,8 @@ def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out
         raise ValueError("bf16_linear: a row stride is shorter than its row")
     if rows == 0:
         return
+    if not (x and panels and out):
+        raise ValueError("bf16_linear: null buffer")
     count = -(-out_features // PANEL)
     bf = torch.bfloat16
     w = unpack_panels(_view(panels, bf, (count, in_features, PANEL),

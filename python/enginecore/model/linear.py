@@ -111,11 +111,20 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.kind = "onednn" if pack is True else (pack or None)
+        if weight.numel() == 0:
+            self.kind = None  # nothing to pack; F.linear handles the empty shapes
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
         if self.kind == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         elif self.kind == "panels":
+            if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+                raise ValueError(f"panels are bfloat16 CPU weights, not {weight.dtype} on "
+                                 f"{weight.device}")
+            if bias is not None and (bias.dtype != weight.dtype
+                                     or tuple(bias.shape) != (self.out_features,)):
+                raise ValueError(f"bias must be bfloat16 [{self.out_features}], "
+                                 f"not {bias.dtype} {list(bias.shape)}")
             self.packed = pack_panels(weight)
             if bias is not None:
                 self.bias = bias.contiguous()
@@ -129,6 +138,9 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         # Packed kernels take [tokens, in_features]; leading dims (an encoder's
         # [batch, length]) are folded into tokens and restored.
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the weight takes "
+                             f"{self.in_features}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.kind == "panels":
@@ -139,10 +151,17 @@ class Linear:
         return out if len(lead) == 1 else out.view(*lead, self.out_features)
 
     def _panels(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
-            x = x.to(torch.bfloat16).contiguous()
+        if x.device.type != "cpu":
+            raise ValueError(f"a CPU-packed weight got input on {x.device}")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"a bfloat16 weight got {x.dtype} input")
+        if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.in_features):
+            x = x.contiguous()  # broadcast or overlapping rows: the kernel reads rows
+        ext = _native.extension()
+        if ext is None:  # the native path was switched off after load: same arithmetic
+            return bf16_linear_torch(x, self.dense(), self.bias)
         out = x.new_empty(x.shape[0], self.out_features)
-        _native.extension().bf16_linear(*bf16_linear_args(x, self.packed, self.bias, out))
+        ext.bf16_linear(*bf16_linear_args(x, self.packed, self.bias, out))
         return out
 
     def dense(self) -> torch.Tensor:
@@ -157,6 +176,9 @@ class Linear:
         return Linear(dense.to(device), bias, packing_enabled(dense.dtype, device))
 
     def nbytes(self) -> int:
-        n = self.out_features * self.in_features
-        size = (self.packed if self.packed is not None else self.weight).element_size()
-        return n * size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        """Bytes held: the weight as stored (panels with their padding) and the bias."""
+        held = self.packed if self.packed is not None else self.weight
+        # oneDNN's blocked tensor reports its logical shape; panels are counted padded
+        n = held.numel() if self.kind == "panels" else self.out_features * self.in_features
+        return (n * held.element_size()
+                + (0 if self.bias is None else self.bias.numel() * self.bias.element_size()))

@@ -10,6 +10,7 @@ import torch
 
 from enginecore.model.arch_config import load_arch_config
 from enginecore.model.bert import is_encoder_config, load_bert_config
+from enginecore.model.linear import cpu_packs_bf16
 from enginecore.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -76,15 +77,19 @@ def resolve_device(device: str) -> str:
 
 def cpu_runs_bf16_fast() -> bool:
     """Whether bfloat16 is the faster model dtype on this CPU: a native bf16 GEMM
-    (AVX512_BF16 / AMX, oneDNN's) or AVX2 + FMA, where ``_C.bf16_linear`` runs bf16
-    weights at or above torch's float32 speed at every batch (docs/benchmarks.md)
-    and a memory-bound decode moves half the bytes. Older CPUs: float32."""
+    (AVX512_BF16 / AMX, oneDNN's), or AVX2 + FMA without the AVX-512 oneDNN packs
+    bf16 for, where ``_C.bf16_linear`` runs bf16 weights above torch's float32 speed
+    at every batch and a memory-bound decode moves half the bytes
+    (docs/benchmarks.md). AVX-512 without BF16 (oneDNN emulates it; not measured)
+    and older CPUs: float32. By CPU flags only, so both paths pick the same dtype."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
         return False
-    return bool({"avx512_bf16", "amx_bf16"} & flags) or {"avx2", "fma"} <= flags
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        return True
+    return {"avx2", "fma"} <= flags and not cpu_packs_bf16()
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
