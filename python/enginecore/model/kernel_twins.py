@@ -19,6 +19,7 @@ import ctypes
 import torch
 
 from enginecore.loaded_libraries import loaded_library_path
+from enginecore.model.cpu_flags import cpu_flags
 from enginecore.model.fused_ops import rms_norm_torch, silu_and_mul_torch
 from enginecore.model.linear import PANEL, bf16_linear_torch, unpack_panels
 from enginecore.model.rope import apply_rope
@@ -153,15 +154,7 @@ def cpu_kernels_info_py() -> dict[str, str | bool]:
     """The twin of ``_C.cpu_kernels_info``: on the Python path torch runs the model ops
     (``isa`` "torch"; ``openmp`` the OpenMP runtime mapped, torch's); the CPU's
     features as /proc/cpuinfo lists them (Linux lists only what the OS enabled)."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = cpu_flags()
     openmp = next(filter(None, map(loaded_library_path, ("libgomp", "libiomp", "libomp"))), "")
     return {"isa": "torch", "openmp": openmp,
             "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,

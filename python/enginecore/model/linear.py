@@ -24,31 +24,22 @@ gain from packing, float16, CUDA) calls ``F.linear`` on the plain weight.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 from enginecore import _native
+from enginecore.model.cpu_flags import cpu_flags
 
 # Output features per panel of _C.bf16_linear's weight layout (csrc/bf16_gemm.cpp kNR).
 PANEL = 16
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-@functools.cache
 def cpu_packs_bf16() -> bool:
     """oneDNN's bf16 weight reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on
     an AVX2-only CPU it raises."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
 
 

@@ -10,6 +10,7 @@ import torch
 
 from enginecore.model.arch_config import load_arch_config
 from enginecore.model.bert import is_encoder_config, load_bert_config
+from enginecore.model.cpu_flags import cpu_flags
 from enginecore.model.linear import cpu_packs_bf16
 from enginecore.model_config import ModelConfig
 
@@ -82,11 +83,7 @@ def cpu_runs_bf16_fast() -> bool:
     at every batch and a memory-bound decode moves half the bytes
     (docs/benchmarks.md). AVX-512 without BF16 (oneDNN emulates it; not measured)
     and older CPUs: float32. By CPU flags only, so both paths pick the same dtype."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return False
+    flags = cpu_flags()
     if {"avx512_bf16", "amx_bf16"} & flags:
         return True
     return {"avx2", "fma"} <= flags and not cpu_packs_bf16()
