@@ -79,7 +79,10 @@ void RequestTable::extend_hashes(Row& r) {
   if (full <= done) return;
   uint8_t root[32] = {0};
   std::vector<uint32_t> block(bs);
-  r.hashes.reserve(full);  // each digest stays put: the chain reads it back
+  // Each digest stays put while this call runs: the chain reads it back. Grow
+  // geometrically: reserving exactly `full` reallocated (copied every hash of the
+  // row) at each new block, quadratic over a long generation.
+  if (r.hashes.capacity() < full) r.hashes.reserve(std::max(full, 2 * r.hashes.capacity()));
   size_t b = done;
   // Blocks with their own keys (multimodal items): one message each,
   // parent || tokens || block keys || extra keys.
