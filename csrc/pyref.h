@@ -29,4 +29,23 @@ inline long long as_long(PyObject* o) {
   return v;
 }
 
+// An int that fits one machine word in CPython's own layout (|v| < 2**30 on
+// 3.11, compact on 3.12+), read without a call; false for anything else
+// (bigger ints, subclasses' __index__, non-ints): the caller takes the general
+// path. A call per token id was most of the cost of reading long prompts.
+inline bool compact_long(PyObject* o, long long& out) {
+  if (!PyLong_Check(o)) return false;
+#if PY_VERSION_HEX >= 0x030C0000
+  PyLongObject* v = reinterpret_cast<PyLongObject*>(o);
+  if (!PyUnstable_Long_IsCompact(v)) return false;
+  out = PyUnstable_Long_CompactValue(v);
+  return true;
+#else
+  const Py_ssize_t size = Py_SIZE(o);
+  if (size < -1 || size > 1) return false;
+  out = size * static_cast<long long>(reinterpret_cast<PyLongObject*>(o)->ob_digit[0]);
+  return true;
+#endif
+}
+
 }  // namespace enginecore

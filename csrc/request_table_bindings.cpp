@@ -21,10 +21,15 @@ std::vector<int64_t> int_vector(py::handle seq) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
     PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
     out.reserve(static_cast<size_t>(n));
+    out.resize(static_cast<size_t>(n));
+    int64_t* dst = out.data();
     for (Py_ssize_t i = 0; i < n; ++i) {
-      const long long v = PyLong_AsLongLong(items[i]);
-      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-      out.push_back(v);
+      long long v;
+      if (!compact_long(items[i], v)) {
+        v = PyLong_AsLongLong(items[i]);
+        if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      }
+      dst[i] = v;
     }
     return out;
   }

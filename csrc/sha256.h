@@ -14,6 +14,9 @@ using Sha256CompressFn = void (*)(uint32_t state[8], const uint8_t* data, size_t
 
 // The compression function for this CPU (decided once).
 Sha256CompressFn sha256_compress();
+// Whether that is the SHA-NI one (block_hash.cpp then runs its own chain on
+// the rounds of sha256_shani.h).
+bool sha256_uses_shani();
 // Which one it is: "sha-ni" or "portable".
 const char* sha256_impl_name();
 // Force the portable implementation (tests compare both).

@@ -80,3 +80,35 @@ def test_request_extends_hashes_incrementally(hot_path):
         req.append_output_token_ids([t])
     assert req.block_hashes == block_hashes(req.all_token_ids, 16, extra_keys=["x"])
     assert len(req.block_hashes) == len(req.all_token_ids) // 16
+
+
+class _Id(int):
+    """An int subclass: hashed as its value, as the Python twin does."""
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("odd", [2**30, 2**31 + 5, 2**32 - 1, True, _Id(7)])
+def test_ids_off_the_fast_read_mid_chain(hot_path, block_size, odd):
+    """The SHA-NI chain reads small ints between rounds and hands over to the
+    general path at the first other id: the digests across the hand-over (and
+    the chain after it) are the documented ones."""
+    tokens = [(i * 7919) % 150000 for i in range(block_size * 9 + 3)]
+    for at in (0, block_size * 3 + 1, len(tokens) - 4):
+        seq = list(tokens)
+        seq[at] = odd
+        want = reference([int(t) for t in seq], block_size)
+        assert block_hashes(seq, block_size) == want
+        assert block_hashes(tuple(seq), block_size) == want
+        salted = reference([int(t) for t in seq], block_size, encode_extra_keys(["s" * 40]))
+        assert block_hashes(seq, block_size, extra_keys=["s" * 40]) == salted
+
+
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (2**32, ValueError),
+                                        (1.0, TypeError), ("3", TypeError)])
+def test_bad_id_mid_chain_raises_like_the_twin(hot_path, bad, error):
+    tokens = [5] * (16 * 6)
+    tokens[16 * 4 + 2] = bad
+    with pytest.raises(error):
+        block_hashes(tokens, 16)
+    with pytest.raises(error):
+        block_hashes_py(tokens, 16, None, b"")
