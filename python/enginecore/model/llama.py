@@ -24,7 +24,13 @@ from enginecore.model.attention import AttentionMetadata, paged_attention
 from enginecore.model.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 from enginecore.model.linear import Linear, packing_enabled
 from enginecore.model.lora import LoRABatch
-from enginecore.model.moe import experts_state_dict, moe_mlp, take_experts
+from enginecore.model.moe import (
+    PackedExperts,
+    experts_state_dict,
+    moe_mlp,
+    pack_experts,
+    take_experts,
+)
 from enginecore.model.rope import RotaryStep, rope_cos_sin
 
 
@@ -127,6 +133,9 @@ class LlamaForCausalLM:
         if layer.gate_up_w is not None:
             layer.gate_up_w = Linear(layer.gate_up_w, pack=self.pack)
             layer.down_w = Linear(layer.down_w, pack=self.pack)
+        if layer.experts_gate_up_w is not None:
+            layer.experts_gate_up_w = pack_experts(layer.experts_gate_up_w, self.pack)
+            layer.experts_down_w = pack_experts(layer.experts_down_w, self.pack)
         return layer
 
     def _build_layer(self, i: int, p: dict[str, torch.Tensor]) -> LlamaLayer:
@@ -239,6 +248,8 @@ class LlamaForCausalLM:
             if isinstance(t, Linear):
                 bias = 0 if t.bias is None else t.bias.numel() * t.bias.element_size()
                 return t.nbytes() - bias
+            if isinstance(t, PackedExperts):
+                return t.nbytes()
             return 0 if t is None else t.numel() * t.element_size()
 
         total = (size(self.embed) + size(self.norm)
