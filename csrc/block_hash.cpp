@@ -11,7 +11,7 @@
 #include "block_hash.h"
 #include "pyref.h"
 #include "sha256.h"
-#include "sha256_shani.h"
+#include "sha256_chain.h"
 
 namespace py = pybind11;
 
@@ -109,79 +109,6 @@ py::object new_digest() {
   return d;
 }
 
-#ifdef ENGINECORE_X86
-using namespace sha256_detail;  // NOLINT: the SHA-NI rounds
-
-// The chain on SHA-NI with the next block's ids read between this block's
-// groups of rounds. The chain is latency-bound (each message starts from the
-// last digest), so the core has room beside it, but only for work in the
-// reorder window next to the rounds: read between whole blocks, the ids were
-// mostly serial work (~25 % over openssl's rate for 32k tokens). The reads in
-// there make no call (a call spills the SHA state: every xmm register is
-// caller-saved): ids that are not small ints stop this chain, and the caller
-// goes on from the block it reached on the general path. The digest stays in
-// registers as the next message's first words. Returns the blocks hashed.
-ENGINECORE_SHANI size_t chain_shani(const TokenSource& source, size_t first_token,
-                                    size_t num_blocks, size_t block_size,
-                                    const uint8_t parent[32], const std::string& extra,
-                                    PyObject* out, uint8_t last[32]) {
-  // The message from byte 32 on: ids, extra keys, padding, length.
-  const size_t msg_len = 32 + 4 * block_size + extra.size();
-  const size_t nblocks = (msg_len + 9 + 63) / 64;
-  std::vector<uint8_t> body(nblocks * 64 - 32, 0);
-  std::memcpy(body.data() + 4 * block_size, extra.data(), extra.size());
-  body[msg_len - 32] = 0x80;
-  const uint64_t bits = uint64_t(msg_len) * 8;
-  for (int i = 0; i < 8; ++i) body[body.size() - 1 - i] = uint8_t(bits >> (8 * i));
-  // After group g (16 per compression) the next block's first upto[g] ids are read.
-  const size_t groups = 16 * nblocks;
-  std::vector<size_t> upto(groups);
-  for (size_t g = 0; g < groups; ++g) upto[g] = (g + 1) * block_size / groups;
-  std::vector<uint32_t> cur(block_size), ahead(block_size);
-  bool ok = true;
-  for (size_t i = 0; i < block_size && num_blocks; ++i) {
-    ok = source.small_at(first_token + i, cur[i]) && ok;
-  }
-  std::memcpy(last, parent, 32);
-  if (!ok) return 0;
-  __m128i w0 = load_words(parent), w1 = load_words(parent + 16);
-  const __m128i iv0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&kSha256Init[0]));
-  const __m128i iv1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&kSha256Init[4]));
-  size_t b = 0;
-  while (b < num_blocks) {
-    std::memcpy(body.data(), cur.data(), 4 * block_size);
-    py::object digest = new_digest();
-    const size_t next_first = first_token + (b + 1) * block_size;
-    const size_t ahead_n = b + 1 < num_blocks ? block_size : 0;
-    size_t read = 0;
-    auto work_at = [&](size_t g) {
-      const size_t end = std::min(upto[g], ahead_n);
-      for (; read < end; ++read) ok = source.small_at(next_first + read, ahead[read]) && ok;
-    };
-    __m128i s0, s1;
-    to_shani(iv0, iv1, s0, s1);
-    const uint8_t* p = body.data();
-    shani_block(s0, s1, w0, w1, load_words(p), load_words(p + 16),
-                [&](int g) { work_at(size_t(g)); });
-    for (size_t k = 1; k < nblocks; ++k) {
-      p = body.data() + 64 * k - 32;
-      shani_block(s0, s1, load_words(p), load_words(p + 16), load_words(p + 32),
-                  load_words(p + 48), [&](int g) { work_at(16 * k + size_t(g)); });
-    }
-    from_shani(s0, s1, w0, w1);  // the digest's words: the next message's W0-7
-    uint8_t* d = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(digest.ptr()));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d), _mm_shuffle_epi8(w0, bswap_mask()));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16), _mm_shuffle_epi8(w1, bswap_mask()));
-    if (PyList_Append(out, digest.ptr()) != 0) throw py::error_already_set();
-    std::memcpy(last, d, 32);
-    ++b;
-    if (!ok) break;  // the next block's ids want the general path
-    cur.swap(ahead);
-  }
-  return b;
-}
-#endif
-
 // The general chain (any id, any CPU): block b+1's ids are read before block b hashes.
 void chain_portable(const TokenSource& source, size_t first_token, size_t num_blocks,
                     size_t block_size, const uint8_t parent[32], const std::string& extra,
@@ -214,9 +141,20 @@ void append_block_hashes(py::handle token_ids, size_t first_token, size_t num_bl
   }
 #ifdef ENGINECORE_X86
   if (sha256_uses_shani()) {
+    // Ids read between the rounds (sha256_chain.h); the rest on the general chain.
     uint8_t last[32];
-    const size_t done = chain_shani(source, first_token, num_blocks, block_size, parent, extra,
-                                    out.ptr(), last);
+    const size_t done = sha256_chain_reading(
+        num_blocks, block_size, parent, reinterpret_cast<const uint8_t*>(extra.data()),
+        extra.size(),
+        [&](size_t b, size_t i, uint32_t& id) {
+          return source.small_at(first_token + b * block_size + i, id);
+        },
+        [&](size_t) {
+          py::object digest = new_digest();
+          if (PyList_Append(out.ptr(), digest.ptr()) != 0) throw py::error_already_set();
+          return reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(digest.ptr()));  // the list holds it
+        },
+        last);
     chain_portable(source, first_token + done * block_size, num_blocks - done, block_size, last,
                    extra, out.ptr());
     return;

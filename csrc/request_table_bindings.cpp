@@ -8,6 +8,7 @@
 #include "pyref.h"
 #include "request_table.h"
 #include "sha256.h"
+#include "sha256_chain.h"
 
 namespace py = pybind11;
 
@@ -15,28 +16,69 @@ namespace enginecore {
 
 namespace {
 
+// One id of a list or tuple as int_vector reads it (TypeError / OverflowError
+// as PyLong_AsLongLong raises them).
+inline int64_t int_value(PyObject* o) {
+  long long v;
+  if (compact_long(o, v)) return v;
+  v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
 std::vector<int64_t> int_vector(py::handle seq) {
   std::vector<int64_t> out;
   if (PyList_Check(seq.ptr()) || PyTuple_Check(seq.ptr())) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
     PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
-    out.reserve(static_cast<size_t>(n));
     out.resize(static_cast<size_t>(n));
-    int64_t* dst = out.data();
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      long long v;
-      if (!compact_long(items[i], v)) {
-        v = PyLong_AsLongLong(items[i]);
-        if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-      }
-      dst[i] = v;
-    }
+    for (Py_ssize_t i = 0; i < n; ++i) out[i] = int_value(items[i]);
     return out;
   }
   // Any other iterable: each item through __index__ (TypeError, OverflowError as
   // for a list), never pybind11's cast_error (RuntimeError).
   for (py::handle h : py::reinterpret_borrow<py::iterable>(seq)) out.push_back(as_long(h.ptr()));
   return out;
+}
+
+// A prompt's ids into its row. With SHA-NI, a list or tuple and no per-block
+// keys, the full blocks are hashed while the ids are copied (the chain reads
+// them between its rounds, sha256_chain.h: the copy was ~20 % of adding a long
+// prompt); whatever that does not take is copied here and hashed by
+// extend_hashes, as every other row is.
+void take_prompt(RequestTable& t, Row& r, py::handle prompt) {
+#ifdef ENGINECORE_X86
+  PyObject* seq = prompt.ptr();
+  if (r.hash_blocks && r.block_extra_keys.empty() && t.block_size() > 0 && sha256_uses_shani() &&
+      (PyList_Check(seq) || PyTuple_Check(seq))) {
+    const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(seq));
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    const size_t bs = static_cast<size_t>(t.block_size());
+    r.tokens.resize(n);
+    int64_t* ids = r.tokens.data();
+    r.hashes.reserve(n / bs);  // each digest stays put: the chain reads it back
+    uint8_t root[32] = {0}, last[32];
+    const size_t done = sha256_chain_reading(
+        n / bs, bs, root, reinterpret_cast<const uint8_t*>(r.extra_keys.data()),
+        r.extra_keys.size(),
+        [&](size_t b, size_t i, uint32_t& id) {
+          const size_t k = b * bs + i;
+          long long v = 0;
+          const bool ok = compact_long(items[k], v) && v >= 0 && v <= 0xFFFFFFFFLL;
+          ids[k] = v;
+          id = static_cast<uint32_t>(v);
+          return ok;
+        },
+        [&](size_t) {
+          r.hashes.emplace_back();
+          return r.hashes.back().b;
+        },
+        last);
+    for (size_t k = done * bs; k < n; ++k) ids[k] = int_value(items[k]);
+    return;
+  }
+#endif
+  r.tokens = int_vector(prompt);
 }
 
 // A row state field through pybind11's caster: TypeError when it does not fit,
@@ -183,7 +225,10 @@ int64_t add_row(RequestTable& t, py::str request_id, py::handle prompt, int64_t 
                 py::bytes extra_keys, bool hash_blocks, py::handle block_extra_keys) {
   auto r = std::make_unique<Row>();
   r->request_id = request_id;
-  r->tokens = int_vector(prompt);
+  r->extra_keys = extra_keys;
+  r->hash_blocks = hash_blocks;
+  r->block_extra_keys = bytes_vector(block_extra_keys, "block_extra_keys");
+  take_prompt(t, *r, prompt);
   r->num_prompt = static_cast<int64_t>(r->tokens.size());
   r->client_index = client_index;
   r->max_tokens = max_tokens;
@@ -194,9 +239,6 @@ int64_t add_row(RequestTable& t, py::str request_id, py::handle prompt, int64_t 
   std::sort(r->stop_token_ids.begin(), r->stop_token_ids.end());
   r->priority = priority;
   r->arrival_time = arrival_time;
-  r->extra_keys = extra_keys;
-  r->hash_blocks = hash_blocks;
-  r->block_extra_keys = bytes_vector(block_extra_keys, "block_extra_keys");
   // Every prompt token, the tail's too: a bad one is refused now, not when
   // a later token fills its block.
   if (hash_blocks) check_hashable(r->tokens.data(), r->tokens.data() + r->tokens.size());
