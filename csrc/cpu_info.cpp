@@ -85,6 +85,9 @@ py::dict cpu_kernels_info() {
   // The bf16 GEMM model/linear.py runs where oneDNN has no bf16 path.
   d["bf16_linear"] = bf16_linear_isa();
   d["amx_kernels"] = "none (no AMX kernel ships: none could be verified on an AMX machine)";
+  // Times the kernels' OpenMP team was found starved (another process on its
+  // cores) and ran the next calls on one thread (cpu_threads.cpp).
+  d["starved_team_spells"] = starved_team_spells();
   return d;
 }
 

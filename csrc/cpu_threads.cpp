@@ -7,6 +7,7 @@
 #include "cpu_threads.h"
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 
 #if defined(__linux__)
@@ -57,11 +58,20 @@ const OpenMP& openmp() {
   return omp;
 }
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 struct Job {
   void (*fn)(void*, int64_t);
   void* ctx;
   int64_t n;
   std::atomic<int64_t> next{0};
+  // When the first thread found no item left (ns): from then on the team only
+  // waits for the others to finish theirs and reach the join barrier.
+  std::atomic<int64_t> first_done{0};
 };
 
 void run_team_member(void* data) {
@@ -70,6 +80,48 @@ void run_team_member(void* data) {
        i = job->next.fetch_add(1, std::memory_order_relaxed)) {
     job->fn(job->ctx, i);
   }
+  int64_t none = 0;
+  job->first_done.compare_exchange_strong(none, now_ns(), std::memory_order_relaxed);
+}
+
+// Starved teams. With another process busy on a core, a team member waits for
+// a time slice: the items are handed out dynamically, so the others do its
+// share, but the join barrier still waits for it to wake (or to finish the
+// item it was preempted in). Measured on a 2-core EPYC with one core busy:
+// 0.21x of the idle decode rate with two threads (docs/benchmarks.md). So a
+// region whose wait at the end is longer than its work (and over 50 us) is a
+// strike; three in a row run the next kRunsSerial calls on the calling thread
+// only, then the team is tried again. Items give the same bits on any thread,
+// so results do not change; on an idle machine the members finish within an
+// item of each other and no region strikes.
+constexpr int kStrikesToSerial = 3;
+constexpr int64_t kRunsSerial = 1000;
+constexpr int64_t kMinWaitNs = 50'000;
+std::atomic<int> g_strikes{0};
+std::atomic<int64_t> g_serial_left{0};
+std::atomic<int64_t> g_serial_spells{0};
+
+bool team_starved() {
+  int64_t left = g_serial_left.load(std::memory_order_relaxed);
+  while (left > 0) {
+    if (g_serial_left.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void judge_team(int64_t start, int64_t first_done, int64_t end) {
+  const int64_t wait = end - first_done, work = first_done - start;
+  if (first_done == 0 || wait <= work || wait < kMinWaitNs) {
+    g_strikes.store(0, std::memory_order_relaxed);
+    return;
+  }
+  if (g_strikes.fetch_add(1, std::memory_order_relaxed) + 1 >= kStrikesToSerial) {
+    g_strikes.store(0, std::memory_order_relaxed);
+    g_serial_left.store(kRunsSerial, std::memory_order_relaxed);
+    g_serial_spells.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 }  // namespace
@@ -77,14 +129,18 @@ void run_team_member(void* data) {
 void parallel_for(int64_t n, int num_threads, void (*fn)(void*, int64_t), void* ctx) {
   if (n <= 0) return;
   const OpenMP& omp = openmp();
-  if (num_threads <= 1 || n == 1 || omp.parallel == nullptr) {
+  if (num_threads <= 1 || n == 1 || omp.parallel == nullptr || team_starved()) {
     for (int64_t i = 0; i < n; ++i) fn(ctx, i);
     return;
   }
   Job job{fn, ctx, n};
   unsigned threads = static_cast<unsigned>(num_threads < n ? num_threads : n);
+  const int64_t start = now_ns();
   omp.parallel(run_team_member, &job, threads, 0);
+  judge_team(start, job.first_done.load(std::memory_order_relaxed), now_ns());
 }
+
+int64_t starved_team_spells() { return g_serial_spells.load(std::memory_order_relaxed); }
 
 std::string openmp_runtime_path() { return openmp().path; }
 

@@ -14,6 +14,11 @@ namespace enginecore {
 // or no OpenMP runtime is loaded. Call without the GIL; fn must not throw.
 void parallel_for(int64_t n, int num_threads, void (*fn)(void* ctx, int64_t i), void* ctx);
 
+// How many times parallel_for found its team starved (a member kept the others
+// waiting at the join barrier longer than they worked: another process holds
+// its core) and ran the next calls serially.
+int64_t starved_team_spells();
+
 // Path of the OpenMP runtime parallel_for uses, or "" when it runs serially.
 std::string openmp_runtime_path();
 

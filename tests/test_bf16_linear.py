@@ -194,3 +194,33 @@ def test_packing_picks_panels_only_where_onednn_has_no_bf16_path(monkeypatch):
     assert packing_enabled(torch.float32, cpu) is None
     monkeypatch.setenv("ENGINECORE_PACK_WEIGHTS", "0")
     assert packing_enabled(torch.bfloat16, cpu) is None
+
+
+@needs_native
+def test_a_starved_team_runs_serially_with_the_same_bits():
+    """Every core busy with another process: the kernels' OpenMP team keeps its
+    members waiting at the join barrier, parallel_for notices and runs the next
+    calls on one thread (csrc/cpu_threads.cpp): the same bits throughout."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    x, w, _ = _case(1, 4864, 896, 21, bias=False)
+    want = _run("native", x, w, None, threads=1)
+    spells = C.cpu_kernels_info()["starved_team_spells"]
+    busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+            for _ in range(min(os.cpu_count() or 1, 8))]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert torch.equal(_run("native", x, w, None, threads=2), want)
+            if C.cpu_kernels_info()["starved_team_spells"] > spells:
+                break
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert C.cpu_kernels_info()["starved_team_spells"] > spells
+    for _ in range(50):  # serial for a while, then the team again: same bits
+        assert torch.equal(_run("native", x, w, None, threads=2), want)

@@ -196,13 +196,15 @@ def bf16_linear(x: int, x_stride: int, rows: int, panels: int, bias: int, out: i
     16-feature panels [ceil(N/16)][K][16] (``model.linear.pack_panels``); bias 0: none;
     ``out`` must not overlap ``x`` (twin: ``model.kernel_twins.bf16_linear_py``)."""
 
-def cpu_kernels_info() -> dict[str, str | bool]:
+def cpu_kernels_info() -> dict[str, str | bool | int]:
     """The instruction set the CPU model kernels run with (``isa``: avx512 / avx2 /
     baseline), the OpenMP runtime (torch's) they split work on (``openmp``, '' = serial),
     the CPU's ``avx2`` / ``avx512f`` / ``avx512_bf16`` / ``amx`` (CPUID and the OS's
     XSAVE state), ``amx_permission`` (Linux's arch_prctl: granted / not requested) and
     ``amx_kernels`` (none ship), ``bf16_linear`` (the ISA of bf16_linear's tiles: avx2 /
-    portable). Twin: ``model.kernel_twins.cpu_kernels_info_py``."""
+    portable), ``starved_team_spells`` (times the team was found starved by another
+    process on its cores and the next calls ran on one thread). Twin:
+    ``model.kernel_twins.cpu_kernels_info_py``."""
 
 def bind_openmp_threads(cpus: list[int]) -> list[int]:
     """Bind thread i of torch's OpenMP team of len(cpus) threads to cpus[i]; returns each

@@ -150,7 +150,7 @@ def greedy_argmax_py(logits: int, row_stride: int, rows: int, cols: int, out: in
     _view(out, torch.int64, (rows,), (1,)).copy_(scores.argmax(dim=-1))
 
 
-def cpu_kernels_info_py() -> dict[str, str | bool]:
+def cpu_kernels_info_py() -> dict[str, str | bool | int]:
     """The twin of ``_C.cpu_kernels_info``: on the Python path torch runs the model ops
     (``isa`` "torch"; ``openmp`` the OpenMP runtime mapped, torch's); the CPU's
     features as /proc/cpuinfo lists them (Linux lists only what the OS enabled)."""
@@ -162,7 +162,8 @@ def cpu_kernels_info_py() -> dict[str, str | bool]:
             "amx": {"amx_bf16", "amx_tile"} <= flags,
             "amx_permission": "not requested",
             "bf16_linear": "torch",
-            "amx_kernels": "none (the Python path runs torch's own ops)"}
+            "amx_kernels": "none (the Python path runs torch's own ops)",
+            "starved_team_spells": 0}
 
 
 def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out: int,
