@@ -16,23 +16,35 @@ namespace enginecore {
 
 namespace {
 
-// One id of a list or tuple as int_vector reads it (TypeError / OverflowError
-// as PyLong_AsLongLong raises them).
-inline int64_t int_value(PyObject* o) {
-  long long v;
-  if (compact_long(o, v)) return v;
-  v = PyLong_AsLongLong(o);
-  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return v;
+// The ids of a list or tuple from index `from` on into out (resized to what was
+// read), as Python's list iteration reads them: compact ints in place; any
+// other item held while its __index__ runs (TypeError / OverflowError as
+// PyLong_AsLongLong raises them), and the length and item array read again
+// after it, since that code may have changed the list (freed its items).
+void read_ints(PyObject* seq, size_t from, std::vector<int64_t>& out) {
+  size_t i = from;
+  for (; i < static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)); ++i) {
+    PyObject* o = PySequence_Fast_ITEMS(seq)[i];
+    long long v;
+    if (!compact_long(o, v)) {
+      Py_INCREF(o);
+      const Ref hold(o);
+      v = PyLong_AsLongLong(o);
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    }
+    if (i >= out.size()) {
+      out.resize(std::max(i + 1, static_cast<size_t>(PySequence_Fast_GET_SIZE(seq))));
+    }
+    out[i] = v;
+  }
+  out.resize(i);
 }
 
 std::vector<int64_t> int_vector(py::handle seq) {
   std::vector<int64_t> out;
   if (PyList_Check(seq.ptr()) || PyTuple_Check(seq.ptr())) {
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
-    out.resize(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) out[i] = int_value(items[i]);
+    out.resize(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr())));
+    read_ints(seq.ptr(), 0, out);
     return out;
   }
   // Any other iterable: each item through __index__ (TypeError, OverflowError as
@@ -45,7 +57,8 @@ std::vector<int64_t> int_vector(py::handle seq) {
 // keys, the full blocks are hashed while the ids are copied (the chain reads
 // them between its rounds, sha256_chain.h: the copy was ~20 % of adding a long
 // prompt); whatever that does not take is copied here and hashed by
-// extend_hashes, as every other row is.
+// extend_hashes, as every other row is. The chain reads compact ints only, so
+// no Python code runs (and the list cannot change) until read_ints.
 void take_prompt(RequestTable& t, Row& r, py::handle prompt) {
 #ifdef ENGINECORE_X86
   PyObject* seq = prompt.ptr();
@@ -74,7 +87,9 @@ void take_prompt(RequestTable& t, Row& r, py::handle prompt) {
           return r.hashes.back().b;
         },
         last);
-    for (size_t k = done * bs; k < n; ++k) ids[k] = int_value(items[k]);
+    // The rest as int_vector reads it (Python code may run from here on: no
+    // `items` / `ids` pointers past this line).
+    read_ints(seq, done * bs, r.tokens);
     return;
   }
 #endif

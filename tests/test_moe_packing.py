@@ -92,3 +92,23 @@ def test_bf16_moe_model_packed_generates_as_unpacked(tmp_path, monkeypatch, kind
     # Tiny random weights in bf16: the two GEMMs round alike almost always; the
     # greedy tokens of most prompts agree from the first one on.
     assert sum(packed[r][0] == plain[r][0] for r in PROMPTS) >= len(PROMPTS) - 1
+
+
+def test_stacked_experts_are_packed_again_back_on_the_cpu(tmp_path):
+    """Sleep on CUDA parks weights in host memory and brings them back: experts
+    that came back stacked are packed again, like the dense Linears."""
+    if packing_enabled(torch.bfloat16, CPU) is None:
+        pytest.skip("this CPU / path packs no bfloat16 weights")
+    model_dir = make_tiny_model(str(tmp_path), "mixtral", seed=3)
+    eng, _ = engine_tokens(model_dir, dtype="bfloat16", num_gpu_blocks_override=256)
+    model = eng.model_executor.runner.model
+    layer = next(L for L in model.layers if L.router_w is not None)
+    want = layer.experts_gate_up_w[1]
+    layer.experts_gate_up_w = torch.stack(list(layer.experts_gate_up_w.linears[e].dense()
+                                               for e in range(len(layer.experts_gate_up_w))))
+    layer.experts_down_w = torch.stack([layer.experts_down_w[e]
+                                        for e in range(len(layer.experts_down_w))])
+    model.to_device(CPU)
+    assert isinstance(layer.experts_gate_up_w, PackedExperts)
+    assert isinstance(layer.experts_down_w, PackedExperts)
+    assert torch.equal(layer.experts_gate_up_w[1], want)

@@ -76,3 +76,35 @@ def test_bad_prompt_ids_refused_alike(bad, sha_impl):
             slot = add(table, prompt, hash_blocks=False)
             assert table.get_token_ids(slot)[37] == bad
     assert errors["native"] is errors["python"]
+
+
+@pytest.mark.parametrize("hash_blocks", [True, False])
+@pytest.mark.parametrize("where", [3, 64, 100])
+def test_an_index_that_changes_the_prompt_reads_as_python_iterates(sha_impl, hash_blocks, where):
+    """An id whose __index__ clears or grows the prompt list while the table reads
+    it: the native table reads on as Python's list iteration does (the twin's),
+    never from the freed item array."""
+    got = {}
+    for kind, cls in KINDS.items():
+        for change in ("clear", "grow"):
+            prompt: list = []
+
+            class Sly:
+                def __index__(self, change=change, prompt=prompt):
+                    if change == "clear":
+                        prompt.clear()
+                        _ = [bytearray(4096) for _ in range(20)]  # reuse the freed memory
+                    else:
+                        prompt.extend([8] * 40)
+                    return 5
+
+            prompt.extend([7] * where + [Sly()] + [9] * 300)
+            table = cls(None, 16)
+            slot = add(table, prompt, hash_blocks=hash_blocks)
+            ids = table.get_token_ids(slot)
+            got[kind, change] = ids
+            if hash_blocks:
+                assert table.get_block_hashes(slot) == block_hashes(ids, 16)
+    for change in ("clear", "grow"):
+        assert got["native", change] == got["python", change]
+    assert len(got["native", "clear"]) == where + 1
