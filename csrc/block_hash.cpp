@@ -139,6 +139,7 @@ void append_block_hashes(py::handle token_ids, size_t first_token, size_t num_bl
   if (first_token + num_blocks * block_size > source.size()) {
     throw py::value_error("fewer token ids than the blocks to hash");
   }
+  if (num_blocks == 0) return;  // nothing sized by block_size (it may be huge)
 #ifdef ENGINECORE_X86
   if (sha256_uses_shani()) {
     // Ids read between the rounds (sha256_chain.h); the rest on the general chain.

@@ -112,3 +112,10 @@ def test_bad_id_mid_chain_raises_like_the_twin(hot_path, bad, error):
         block_hashes(tokens, 16)
     with pytest.raises(error):
         block_hashes_py(tokens, 16, None, b"")
+
+
+def test_a_block_size_beyond_the_ids_hashes_nothing_and_allocates_nothing(hot_path):
+    # No full block: nothing may be sized by block_size (2**40 ids of scratch).
+    assert block_hashes([1, 2, 3], 2**40) == []
+    with pytest.raises(ValueError):
+        block_hashes([1, -2, 3], 2**40)  # the tail is still validated
