@@ -96,7 +96,7 @@ def test_bf16_moe_model_packed_generates_as_unpacked(tmp_path, monkeypatch, kind
 
 def test_stacked_experts_are_packed_again_back_on_the_cpu(tmp_path):
     """Sleep on CUDA parks weights in host memory and brings them back: experts
-    that came back stacked are packed again, like the dense Linears."""
+    that came back plain are packed again, like the dense Linears."""
     if packing_enabled(torch.bfloat16, CPU) is None:
         pytest.skip("this CPU / path packs no bfloat16 weights")
     model_dir = make_tiny_model(str(tmp_path), "mixtral", seed=3)
@@ -104,11 +104,15 @@ def test_stacked_experts_are_packed_again_back_on_the_cpu(tmp_path):
     model = eng.model_executor.runner.model
     layer = next(L for L in model.layers if L.router_w is not None)
     want = layer.experts_gate_up_w[1]
-    layer.experts_gate_up_w = torch.stack(list(layer.experts_gate_up_w.linears[e].dense()
-                                               for e in range(len(layer.experts_gate_up_w))))
-    layer.experts_down_w = torch.stack([layer.experts_down_w[e]
-                                        for e in range(len(layer.experts_down_w))])
+    # As they come back from a device that packs nothing: plain Linears.
+    for name in ("experts_gate_up_w", "experts_down_w"):
+        plain = torch.stack([getattr(layer, name)[e] for e in range(len(getattr(layer, name)))])
+        setattr(layer, name, PackedExperts(plain, None))
+    assert all(lin.kind is None for lin in layer.experts_gate_up_w.linears)
     model.to_device(CPU)
+    kind = packing_enabled(torch.bfloat16, CPU)
     assert isinstance(layer.experts_gate_up_w, PackedExperts)
     assert isinstance(layer.experts_down_w, PackedExperts)
+    assert all(lin.kind == kind for lin in layer.experts_gate_up_w.linears)
+    assert all(lin.kind == kind for lin in layer.experts_down_w.linears)
     assert torch.equal(layer.experts_gate_up_w[1], want)

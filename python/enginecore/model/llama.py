@@ -236,10 +236,6 @@ class LlamaForCausalLM:
                 t = getattr(layer, name)
                 if t is not None:
                     setattr(layer, name, t.to(device))
-            if isinstance(layer.experts_gate_up_w, torch.Tensor):  # back from a device
-                pack = packing_enabled(layer.experts_gate_up_w.dtype, device)
-                layer.experts_gate_up_w = pack_experts(layer.experts_gate_up_w, pack)
-                layer.experts_down_w = pack_experts(layer.experts_down_w, pack)
         self.cos = self.cos.to(device)
         self.sin = self.sin.to(device)
         if self.embed_scale is not None:

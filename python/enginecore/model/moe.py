@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from enginecore.model.arch_config import MoEConfig
-from enginecore.model.linear import Linear, packing_enabled
+from enginecore.model.linear import Linear
 
 
 class PackedExperts:
@@ -33,8 +33,9 @@ class PackedExperts:
 
     __slots__ = ("linears",)
 
-    def __init__(self, stacked: torch.Tensor, pack: str) -> None:
-        self.linears = [Linear(w, pack=pack) for w in stacked.unbind(0)]
+    def __init__(self, stacked: torch.Tensor | list[Linear], pack: str | None = None) -> None:
+        self.linears = (stacked if isinstance(stacked, list)
+                        else [Linear(w, pack=pack) for w in stacked.unbind(0)])
 
     def __len__(self) -> int:
         return len(self.linears)
@@ -42,10 +43,10 @@ class PackedExperts:
     def __getitem__(self, e: int) -> torch.Tensor:
         return self.linears[e].dense()
 
-    def to(self, device: torch.device) -> PackedExperts | torch.Tensor:
-        """The experts on `device`: packed again where that device packs, else stacked."""
-        stacked = torch.stack([lin.dense() for lin in self.linears]).to(device)
-        return pack_experts(stacked, packing_enabled(stacked.dtype, device))
+    def to(self, device: torch.device) -> PackedExperts:
+        """The experts on `device`, each packed as that device packs (``Linear.to``):
+        plain on a GPU, packed again back on the CPU."""
+        return PackedExperts([lin.to(device) for lin in self.linears])
 
     def nbytes(self) -> int:
         return sum(lin.nbytes() for lin in self.linears)
