@@ -27,11 +27,13 @@ inline bool small_token_id(PyObject* item, uint32_t& out) {
   return ok;
 }
 
-// One token id, validated as the Python twin does.
-inline uint32_t token_id(PyObject* item) {
-  uint32_t id;
-  if (small_token_id(item, id)) return id;
-  if (!PyLong_Check(item)) throw py::type_error("token ids must be ints");
+// Thrown where an id is not an int (a numpy scalar, an object with __index__):
+// block_hashes converts the ids as the twin's array('I', ...) does and starts
+// again. No Python code runs while the chain reads the ids in place.
+struct NotAnInt {};
+
+// An int id, validated as the Python twin does.
+inline uint32_t int_token_id(PyObject* item) {
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
   if (overflow || v < 0 || v > 0xFFFFFFFFLL) {
@@ -40,11 +42,44 @@ inline uint32_t token_id(PyObject* item) {
   return static_cast<uint32_t>(v);
 }
 
+// One token id of a list, tuple or converted iterable.
+inline uint32_t token_id(PyObject* item) {
+  uint32_t id;
+  if (small_token_id(item, id)) return id;
+  if (!PyLong_Check(item)) throw NotAnInt{};
+  return int_token_id(item);
+}
+
+// The ids as the twin's array('I', ids) reads them: in order, each through
+// __index__ (TypeError where it has none), each range-checked as it comes, so
+// the first bad id decides the error as it does there. `seq` is a list or
+// tuple; its items are held by a copy while their code runs.
+py::list ids_through_index(py::handle seq) {
+  const py::list items = py::reinterpret_steal<py::list>(PySequence_List(seq.ptr()));
+  if (!items) throw py::error_already_set();
+  py::list out(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    PyObject* item = items[i].ptr();
+    py::object id = py::reinterpret_borrow<py::object>(item);
+    if (!PyLong_Check(item)) {
+      id = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+      if (!id) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+        PyErr_Clear();
+        throw py::type_error("token ids must be ints");
+      }
+    }
+    int_token_id(id.ptr());
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), id.release().ptr());
+  }
+  return out;
+}
+
 // Where the token ids come from: the items of a list or tuple, or a uint32
 // buffer (array('I'), numpy); any other iterable goes through a list first.
 class TokenSource {
  public:
-  explicit TokenSource(py::handle obj) {
+  explicit TokenSource(py::handle obj) : obj_(obj) {
     PyObject* o = obj.ptr();
     if (!PyList_Check(o) && !PyTuple_Check(o) && !take_buffer(obj)) {
       owned_ = py::list(py::reinterpret_borrow<py::iterable>(obj));
@@ -57,6 +92,9 @@ class TokenSource {
   }
 
   size_t size() const { return size_; }
+
+  // The list or tuple the ids are read from (not for a uint32 buffer).
+  py::handle items() const { return owned_ ? py::handle(owned_) : obj_; }
 
   // Id i into out without a call; false where it needs the general path.
   bool small_at(size_t i, uint32_t& out) const {
@@ -93,6 +131,7 @@ class TokenSource {
     return true;
   }
 
+  py::handle obj_;
   py::object owned_;
   py::buffer_info info_;
   bool buffer_ = false;
@@ -164,16 +203,42 @@ void append_block_hashes(py::handle token_ids, size_t first_token, size_t num_bl
   chain_portable(source, first_token, num_blocks, block_size, parent, extra, out.ptr());
 }
 
+// None (the root) or 32 bytes of any bytes-like object (bytes, bytearray,
+// memoryview), as the twin's parent_bytes takes them.
 void parent_bytes(py::handle parent, uint8_t out[32]) {
   std::memset(out, 0, 32);
   if (parent.is_none()) return;
-  if (!PyBytes_Check(parent.ptr()) || PyBytes_GET_SIZE(parent.ptr()) != 32) {
-    throw py::value_error("parent hash must be 32 bytes");
+  if (PyBytes_Check(parent.ptr())) {
+    if (PyBytes_GET_SIZE(parent.ptr()) != 32) throw py::value_error("parent hash must be 32 bytes");
+    std::memcpy(out, PyBytes_AS_STRING(parent.ptr()), 32);
+    return;
   }
-  std::memcpy(out, PyBytes_AS_STRING(parent.ptr()), 32);
+  if (!PyObject_CheckBuffer(parent.ptr())) {
+    throw py::type_error("parent hash must be bytes, got " +
+                         std::string(py::str(py::type::handle_of(parent).attr("__name__"))));
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(parent.ptr(), &view, PyBUF_FULL_RO) != 0) throw py::error_already_set();
+  const bool ok = view.len == 32 && PyBuffer_ToContiguous(out, &view, 32, 'C') == 0;
+  PyBuffer_Release(&view);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  if (!ok) throw py::value_error("parent hash must be 32 bytes");
 }
 
 namespace {
+
+// Every full block of seq, and every id validated (as the Python twin does),
+// even those past the last full block.
+py::list hash_all(py::handle seq, size_t block_size, const uint8_t root[32],
+                  const std::string& extra) {
+  const TokenSource source(seq);
+  const size_t num_blocks = source.size() / block_size;
+  py::list out;
+  append_block_hashes(seq, 0, num_blocks, block_size, root, extra, out);
+  std::vector<uint32_t> tail(source.size() - num_blocks * block_size);
+  source.read(num_blocks * block_size, source.size(), tail.data());
+  return out;
+}
 
 py::list block_hashes(py::handle token_ids, size_t block_size, py::object parent,
                       py::bytes extra) {
@@ -184,15 +249,20 @@ py::list block_hashes(py::handle token_ids, size_t block_size, py::object parent
   py::object seq = py::reinterpret_borrow<py::object>(token_ids);
   const bool in_place = PyList_Check(seq.ptr()) || PyTuple_Check(seq.ptr()) ||
                         PyObject_CheckBuffer(seq.ptr());
+  if (PyBytes_Check(seq.ptr()) || PyByteArray_Check(seq.ptr())) {
+    // Not ids (one per byte? raw uint32s?): refused by both paths.
+    throw py::type_error("token ids must be a sequence of ints, not bytes");
+  }
   if (!in_place) seq = py::list(py::reinterpret_borrow<py::iterable>(token_ids));
-  const TokenSource source(seq);
-  const size_t num_blocks = source.size() / block_size;
-  py::list out;
-  append_block_hashes(seq, 0, num_blocks, block_size, root, extra, out);
-  // Every id is validated (as the Python twin does), even those past the last full block.
-  std::vector<uint32_t> tail(source.size() - num_blocks * block_size);
-  source.read(num_blocks * block_size, source.size(), tail.data());
-  return out;
+  const std::string extra_keys = extra;
+  try {
+    return hash_all(seq, block_size, root, extra_keys);
+  } catch (const NotAnInt&) {
+    // An id that is not an int (numpy scalars, __index__ objects; a numpy
+    // int64 array reads as those): converted once, as the twin reads them.
+    const TokenSource source(seq);  // a list of a buffer's items, or seq itself
+    return hash_all(ids_through_index(source.items()), block_size, root, extra_keys);
+  }
 }
 
 }  // namespace

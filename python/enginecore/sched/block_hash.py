@@ -54,6 +54,13 @@ def encode_extra_keys(extra_keys: Sequence[ExtraKey] | None) -> bytes:
 
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as uint32 little endian; negative or >= 2**32 ids raise ``ValueError``."""
+    if isinstance(token_ids, (bytes, bytearray)):  # one id per byte, or raw uint32s?
+        raise TypeError("token ids must be a sequence of ints, not bytes")
+    if isinstance(token_ids, list):
+        # The ids as they are now: an id's __index__ that changes the list does
+        # not change what is read (array() would raise IndexError; the native
+        # path reads a snapshot too).
+        token_ids = tuple(token_ids)
     try:
         arr = array("I", token_ids)
     except OverflowError as e:
@@ -70,19 +77,31 @@ def check_algo(algo: str) -> None:
         raise ValueError(f"unknown prefix caching hash algo {algo!r}; supported: {HASH_ALGOS}")
 
 
-def check_block_args(block_size: int, parent: bytes | None) -> None:
+def check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    if parent is not None and len(parent) != 32:
-        raise ValueError(f"parent hash must be 32 bytes, got {len(parent)}")
+
+
+def parent_bytes(parent: bytes | bytearray | memoryview | None) -> bytes | None:
+    """The parent hash as bytes: None (the root) or 32 bytes of any bytes-like object."""
+    if parent is None or isinstance(parent, bytes):
+        raw = parent
+    else:
+        try:  # not bytes(parent): bytes(5) is five zero bytes
+            raw = bytes(memoryview(parent))
+        except TypeError:
+            raise TypeError(f"parent hash must be bytes, got {type(parent).__name__}") from None
+    if raw is not None and len(raw) != 32:
+        raise ValueError(f"parent hash must be 32 bytes, got {len(raw)}")
+    return raw
 
 
 def block_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | None,
                     extra: bytes) -> list[bytes]:
     """The twin of ``_C.block_hashes``: the chained hash of every full block of
     ``token_ids``, with the extra keys already encoded (``encode_extra_keys``)."""
-    check_block_args(block_size, parent)
-    return chain_hashes_py(token_ids, block_size, parent, extra)
+    check_block_size(block_size)
+    return chain_hashes_py(token_ids, block_size, parent_bytes(parent), extra)
 
 
 def mm_block_extra_keys(mm_positions: Sequence[tuple[int, int, str]],
@@ -116,7 +135,7 @@ def chain_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | N
     sha = hashlib.sha256
     out: list[bytes] = []
     append = out.append
-    end = (len(token_ids) // block_size) * step
+    end = (len(data) // step) * step  # not len(token_ids): an id's __index__ may change it
     if block_extras:
         num_keyed = min(len(block_extras), end // step)
         for i in range(num_keyed):
@@ -150,9 +169,9 @@ def block_hashes(
     check_algo(algo)
     # Here too, so both paths refuse alike (pybind11 would raise TypeError for a
     # negative block size, the twin ValueError).
-    check_block_args(block_size, parent)
+    check_block_size(block_size)
     hashes = _native.twin("block_hashes", block_hashes_py)
-    return hashes(token_ids, block_size, parent, encode_extra_keys(extra_keys))
+    return hashes(token_ids, block_size, parent_bytes(parent), encode_extra_keys(extra_keys))
 
 
 def sha256_py(data: bytes) -> bytes:
