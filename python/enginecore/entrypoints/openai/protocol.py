@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible server, as msgspec structs.
 
 Requests are decoded (and type-checked) straight from the body bytes; fields a
-real client sends that the server does not know are ignored (msgspec's default),
+real client sends that the server does not know are ignored (msgspec's default)
+and named in the log (ignored_fields.py, as vLLM does),
 so a newer client never breaks a request. Field names are OpenAI's, plus the
 extra sampling fields vLLM's server accepts (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, structured_outputs, guided_*, ...), with vLLM's meaning.

@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from enginecore.entrypoints.openai.admission import Admission
 from enginecore.entrypoints.openai.errors import APIError, validation_error, value_error
+from enginecore.entrypoints.openai.ignored_fields import log_ignored_fields
 from enginecore.entrypoints.openai.request_limits import RequestLimits, too_deep
 from enginecore.entrypoints.openai.serving_models import ServingModels
 from enginecore.entrypoints.openai.tool_calls import ToolCallConfig
@@ -111,13 +112,16 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
-        return dec.decode(body)
+        decoded = dec.decode(body)
     except msgspec.ValidationError as e:
         raise validation_error(e) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise too_deep() from None
+    if isinstance(decoded, msgspec.Struct):
+        log_ignored_fields(body, kind)
+    return decoded
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -1,0 +1,55 @@
+"""Fields a request body carries that the server does not know: ignored (the
+request still runs) and named in the log, as vLLM's server does."""
+
+import logging
+
+import msgspec
+import pytest
+
+from enginecore.entrypoints.openai import ignored_fields as ig
+from enginecore.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from enginecore.entrypoints.openai.serving_engine import decode_body
+
+LOGGER = "enginecore.entrypoints.openai.ignored_fields"
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(ig, "_warned", set())
+
+
+def test_unknown_top_level_fields_are_named_once(caplog):
+    body = (b'{"model": "m", "prompt": "hi", "max_tokens": 3, "max_completion_token": 5, '
+            b'"zz_extra": {"nested": [1, 2]}}')
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        req = decode_body(body, CompletionRequest)
+        decode_body(body, CompletionRequest)
+    assert req.max_tokens == 3 and req.prompt == "hi"
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.DEBUG]
+    assert "present in the request but ignored" in records[0].getMessage()
+    assert "max_completion_token" in records[0].getMessage()
+    assert "zz_extra" in records[0].getMessage()
+
+
+def test_known_fields_and_vllm_extras_are_not_reported(caplog):
+    body = msgspec.json.encode({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": 5,
+        "min_p": 0.1, "repetition_penalty": 1.1, "max_completion_tokens": 4, "seed": 1,
+        "stream": False, "stream_options": None, "tools": None, "tool_choice": "none",
+    })
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        decode_body(body, ChatCompletionRequest)
+    assert not [r for r in caplog.records if r.name == LOGGER]
+    assert ig.ignored_fields(body, ChatCompletionRequest) == []
+
+
+def test_nested_unknown_keys_are_not_top_level():
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x", "name2": 1}]}'
+    assert ig.ignored_fields(body, ChatCompletionRequest) == []
+    assert ig.ignored_fields(b'{"model": "m", "b": 1, "a": 2}', ChatCompletionRequest) == ["a", "b"]
+
+
+def test_bodies_that_are_not_objects_report_nothing():
+    assert ig.ignored_fields(b"[1, 2]", CompletionRequest) == []
+    assert ig.ignored_fields(b"not json", CompletionRequest) == []
