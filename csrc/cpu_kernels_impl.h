@@ -340,20 +340,29 @@ void rope(const RopeParams& p, int64_t r0, int64_t r1) {
 // -- SiLU(gate) * up ---------------------------------------------------------------------
 // gate | up side by side in each input row: out = round(round(silu(g)) * u),
 // as `F.silu(gate) * up` in the model dtype.
+// Two loops over chunks of a row (silu into a float buffer, then the product):
+// one loop with the bf16 loads made GCC take 16 lanes per AVX2 iteration and
+// spill the exp's constants (1.65x slower).
 template <typename T>
 void silu_and_mul_rows(const SiluMulParams& p, int64_t r0, int64_t r1) {
+  constexpr int kChunk = 256;
+  alignas(64) float act[kChunk];
   const int n = p.width;
   for (int64_t row = r0; row < r1; ++row) {
     const T* g = static_cast<const T*>(p.x) + row * p.x_stride;
     const T* u = g + n;
     T* out = static_cast<T*>(p.out) + row * p.out_stride;
+    for (int c0 = 0; c0 < n; c0 += kChunk) {
+      const int m = n - c0 < kChunk ? n - c0 : kChunk;
 #pragma omp simd
-    for (int i = 0; i < n; ++i) {
-      const float gv = to_f32(g[i]);
-      const float uv = to_f32(u[i]);
-      const float e = fast_exp(-gv);
-      const float act = round_to(gv / (1.0f + e), out);
-      from_f32(act * uv, out + i);
+      for (int i = 0; i < m; ++i) {
+        const float gv = to_f32(g[c0 + i]);
+        act[i] = gv / (1.0f + fast_exp(-gv));
+      }
+#pragma omp simd
+      for (int i = 0; i < m; ++i) {
+        from_f32(round_to(act[i], out) * to_f32(u[c0 + i]), out + c0 + i);
+      }
     }
   }
 }
