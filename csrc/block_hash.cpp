@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "block_hash.h"
 #include "pyref.h"
 #include "sha256.h"
 #include "sha256_chain.h"
@@ -168,8 +167,6 @@ void chain_portable(const TokenSource& source, size_t first_token, size_t num_bl
   }
 }
 
-}  // namespace
-
 // Holds the GIL throughout (the ids are read from their Python ints).
 void append_block_hashes(py::handle token_ids, size_t first_token, size_t num_blocks,
                          size_t block_size, const uint8_t parent[32], const std::string& extra,
@@ -224,8 +221,6 @@ void parent_bytes(py::handle parent, uint8_t out[32]) {
   if (PyErr_Occurred()) throw py::error_already_set();
   if (!ok) throw py::value_error("parent hash must be 32 bytes");
 }
-
-namespace {
 
 // Every full block of seq, and every id validated (as the Python twin does),
 // even those past the last full block.
