@@ -53,3 +53,24 @@ def test_nested_unknown_keys_are_not_top_level():
 def test_bodies_that_are_not_objects_report_nothing():
     assert ig.ignored_fields(b"[1, 2]", CompletionRequest) == []
     assert ig.ignored_fields(b"not json", CompletionRequest) == []
+
+
+def test_a_huge_body_of_unknown_keys_costs_one_bounded_scan(monkeypatch):
+    # a body past the full-scan bound names only its first unknown field, and
+    # never builds a dict of its keys
+    monkeypatch.setattr(ig, "FULL_SCAN_MAX_BYTES", 1000)
+    keys = ", ".join(f'"k{i}": {i}' for i in range(5000))
+    body = ('{"model": "m", "prompt": "hi", ' + keys + "}").encode()
+
+    def refuse(_body):
+        raise AssertionError("the key dict was built for a body past the bound")
+
+    monkeypatch.setattr(ig, "_key_decoder", type("D", (), {"decode": staticmethod(refuse)}))
+    assert ig.ignored_fields(body, CompletionRequest) == ["k0"]
+
+
+def test_renamed_fields_count_as_known():
+    # a field whose body name differs from its Python name (msgspec rename)
+    for f in msgspec.structs.fields(ChatCompletionRequest):
+        body = msgspec.json.encode({"model": "m", "messages": [], f.encode_name: None})
+        assert ig.ignored_fields(body, ChatCompletionRequest) == [], f.encode_name

@@ -3,42 +3,67 @@
 msgspec ignores fields a struct does not declare (so a newer client never breaks
 a request); vLLM's server does the same and logs them, and so do we: an
 operator whose client sends ``max_completion_token`` (a typo) sees why it had
-no effect. The keys are read with the values left unparsed (``msgspec.Raw``),
-so a large body (images as base64) costs one extra scan, not a second decode.
-Each distinct set of ignored fields is a warning once, then a debug line, so a
-client that sends the same unknown field on every request does not flood the log.
+no effect.
+
+What it costs, bounded whatever the body: first one more scan with every known
+field's value left unparsed (``msgspec.Raw``) into a shadow struct that forbids
+unknown fields, which allocates nothing per unknown key and stops at the first
+one. Only then, and only for a body of at most ``FULL_SCAN_MAX_BYTES``, are all
+the keys listed (a dict of them; a 32 MiB body of tiny keys would be millions of
+entries). Each distinct set of ignored fields is a warning once, then a debug
+line, so a client that sends the same unknown field on every request does not
+flood the log.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 import msgspec
 
 logger = logging.getLogger(__name__)
 
-_key_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_known: dict[type, frozenset[str]] = {}
-_warned: set[frozenset[str]] = set()
+FULL_SCAN_MAX_BYTES = 1 << 20
 _MAX_WARNED = 1024  # distinct sets remembered; past that everything is a debug line
+_UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$", re.S)
+
+_key_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_shadows: dict[type, tuple[msgspec.json.Decoder, frozenset[str]]] = {}
+_warned: set[frozenset[str]] = set()
 
 
-def known_fields(kind: type) -> frozenset[str]:
-    """The body names a request struct decodes (its fields' encode names)."""
-    names = _known.get(kind)
-    if names is None:
-        names = _known[kind] = frozenset(f.encode_name for f in msgspec.structs.fields(kind))
-    return names
+def _shadow(kind: type) -> tuple[msgspec.json.Decoder, frozenset[str]]:
+    """A decoder of ``kind``'s fields as raw JSON that refuses any other, and the
+    names the body uses for them."""
+    found = _shadows.get(kind)
+    if found is None:
+        fields = msgspec.structs.fields(kind)
+        shadow = msgspec.defstruct(
+            f"_{kind.__name__}Fields", [(f.name, msgspec.Raw, None) for f in fields],
+            rename={f.name: f.encode_name for f in fields}, kw_only=True,
+            forbid_unknown_fields=True)
+        found = _shadows[kind] = (msgspec.json.Decoder(shadow),
+                                  frozenset(f.encode_name for f in fields))
+    return found
 
 
 def ignored_fields(body: bytes, kind: type) -> list[str]:
-    """The top-level keys of a JSON object body that ``kind`` does not declare."""
+    """The top-level keys of a JSON object body that ``kind`` does not declare
+    (only the first one for a body past ``FULL_SCAN_MAX_BYTES``)."""
+    decoder, known = _shadow(kind)
     try:
-        keys = _key_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        decoder.decode(body)
         return []
-    known = known_fields(kind)
-    return sorted(k for k in keys if k not in known)
+    except msgspec.ValidationError as e:
+        first = _UNKNOWN.match(str(e))
+    except (msgspec.DecodeError, RecursionError):
+        return []
+    if first is None:  # not an object, or a shape the real decode refuses anyway
+        return []
+    if len(body) > FULL_SCAN_MAX_BYTES:
+        return [first.group(1)]
+    return sorted(k for k in _key_decoder.decode(body) if k not in known)
 
 
 def log_ignored_fields(body: bytes, kind: type) -> None:
