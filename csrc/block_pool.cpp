@@ -50,8 +50,7 @@ void BlockPool::check(int64_t block) const {
 }
 
 int32_t BlockPool::lookup(const Hash32& h) const {
-  const auto it = cached_.find(h);
-  return it == cached_.end() ? -1 : it->second;
+  return cached_.find(h, hash_.data());
 }
 
 std::vector<int32_t> BlockPool::free_ids() const {
@@ -73,8 +72,7 @@ void BlockPool::take(int64_t n, std::vector<int32_t>& out) {
     const int32_t following = next_[b];
     next_[b] = prev_[b] = -1;
     if (has_hash_[b]) {
-      const auto it = cached_.find(hash_[b]);
-      if (it != cached_.end() && it->second == b) cached_.erase(it);
+      cached_.erase(b, hash_.data());
       has_hash_[b] = 0;
       ++num_evictions_;
     }
@@ -116,16 +114,18 @@ void BlockPool::release(int32_t block) {
 
 void BlockPool::cache(int32_t block, const Hash32& h) {
   if (has_hash_[block]) return;
-  if (cached_.emplace(h, block).second) {
-    hash_[block] = h;
+  const Hash32 previous = hash_[block];  // the index reads the key from hash_
+  hash_[block] = h;
+  if (cached_.insert(block, hash_.data())) {
     has_hash_[block] = 1;
+  } else {
+    hash_[block] = previous;
   }
 }
 
 void BlockPool::uncache(int32_t block) {
   if (!has_hash_[block]) return;
-  const auto it = cached_.find(hash_[block]);
-  if (it != cached_.end() && it->second == block) cached_.erase(it);
+  cached_.erase(block, hash_.data());
   has_hash_[block] = 0;
 }
 

@@ -6,25 +6,11 @@
 
 #include <cstdint>
 #include <cstring>
-#include <unordered_map>
 #include <vector>
 
+#include "hash_index.h"
+
 namespace enginecore {
-
-// A block hash: SHA-256, 32 bytes.
-struct Hash32 {
-  uint8_t b[32];
-  bool operator==(const Hash32& o) const { return std::memcmp(b, o.b, 32) == 0; }
-};
-
-struct Hash32Hasher {
-  // The bytes are a SHA-256 digest already: any 8 of them are a good hash.
-  size_t operator()(const Hash32& h) const {
-    size_t v;
-    std::memcpy(&v, h.b, sizeof v);
-    return v;
-  }
-};
 
 class BlockPool {
  public:
@@ -72,7 +58,7 @@ class BlockPool {
   std::vector<int32_t> ref_, prev_, next_;
   std::vector<Hash32> hash_;
   std::vector<uint8_t> has_hash_;
-  std::unordered_map<Hash32, int32_t, Hash32Hasher> cached_;
+  HashIndex cached_;  // keyed by hash_[block]
 };
 
 // A Python block id as int64: TypeError for a non-int or one past int64.

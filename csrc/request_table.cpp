@@ -30,12 +30,8 @@ BlockPool& RequestTable::pool() {
   return *pool_;
 }
 
-Row& RequestTable::row(int64_t slot) {
-  if (slot < 0 || static_cast<size_t>(slot) >= rows_.size() || !rows_[slot] ||
-      rows_[slot]->request_id.is_none()) {
-    throw py::index_error("no request in slot " + std::to_string(slot));
-  }
-  return *rows_[slot];
+void RequestTable::no_row(int64_t slot) {
+  throw py::index_error("no request in slot " + std::to_string(slot));
 }
 
 int64_t RequestTable::put(std::unique_ptr<Row> r) {

@@ -59,8 +59,14 @@ class RequestTable {
   BlockPool& pool();
   bool caching() const { return pool_ != nullptr && pool_->enable_caching(); }
 
-  // The row in `slot` (throws IndexError for a free or unknown slot).
-  Row& row(int64_t slot);
+  // The row in `slot` (throws IndexError for a free or unknown slot). Inline:
+  // the scheduler's loops call it a few times per request per step.
+  Row& row(int64_t slot) {
+    if (slot < 0 || static_cast<size_t>(slot) >= rows_.size()) no_row(slot);
+    Row* r = rows_[static_cast<size_t>(slot)].get();
+    if (r == nullptr || r->request_id.is_none()) no_row(slot);
+    return *r;
+  }
   int64_t put(std::unique_ptr<Row> row);
   void release(int64_t slot);
   int64_t live() const { return live_; }
@@ -81,6 +87,7 @@ class RequestTable {
   void free_blocks(Row& r);
 
  private:
+  [[noreturn]] static void no_row(int64_t slot);
   pybind11::object pool_obj_;
   BlockPool* pool_ = nullptr;
   int64_t block_size_;
