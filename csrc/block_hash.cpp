@@ -28,7 +28,7 @@ inline bool small_token_id(PyObject* item, uint32_t& out) {
 
 // Thrown where an id is not an int (a numpy scalar, an object with __index__):
 // block_hashes converts the ids as the twin's array('I', ...) does and starts
-// again. No Python code runs while the chain reads the ids in place.
+// again, so no id's code runs while the chain reads the ids in place.
 struct NotAnInt {};
 
 // An int id, validated as the Python twin does.
@@ -56,20 +56,34 @@ inline uint32_t token_id(PyObject* item) {
 py::list ids_through_index(py::handle seq) {
   const py::list items = py::reinterpret_steal<py::list>(PySequence_List(seq.ptr()));
   if (!items) throw py::error_already_set();
-  py::list out(items.size());
+  // Held here while the ids' code runs: no half-built list is ever visible to
+  // it (gc.get_objects() would hand it NULL items).
+  std::vector<py::object> ids;
+  ids.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     PyObject* item = items[i].ptr();
     py::object id = py::reinterpret_borrow<py::object>(item);
     if (!PyLong_Check(item)) {
       id = py::reinterpret_steal<py::object>(PyNumber_Index(item));
       if (!id) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
-        PyErr_Clear();
-        throw py::type_error("token ids must be ints");
+        // As the twin maps array()'s errors: TypeError / OverflowError.
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+          PyErr_Clear();
+          throw py::type_error("token ids must be ints");
+        }
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+          PyErr_Clear();
+          throw py::value_error("token ids must be in [0, 2**32)");
+        }
+        throw py::error_already_set();
       }
     }
     int_token_id(id.ptr());
-    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), id.release().ptr());
+    ids.push_back(std::move(id));
+  }
+  py::list out(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), ids[i].release().ptr());
   }
   return out;
 }
@@ -226,9 +240,12 @@ void parent_bytes(py::handle parent, uint8_t out[32]) {
 // even those past the last full block.
 py::list hash_all(py::handle seq, size_t block_size, const uint8_t root[32],
                   const std::string& extra) {
+  // `out` first: a GC-tracked allocation may run a collection, and a finalizer
+  // may change `seq`; from the TokenSource on, only untracked objects (bytes)
+  // are made, so no Python code runs while it reads the items in place.
+  py::list out;
   const TokenSource source(seq);
   const size_t num_blocks = source.size() / block_size;
-  py::list out;
   append_block_hashes(seq, 0, num_blocks, block_size, root, extra, out);
   std::vector<uint32_t> tail(source.size() - num_blocks * block_size);
   source.read(num_blocks * block_size, source.size(), tail.data());
@@ -248,6 +265,7 @@ py::list block_hashes(py::handle token_ids, size_t block_size, py::object parent
     // Not ids (one per byte? raw uint32s?): refused by both paths.
     throw py::type_error("token ids must be a sequence of ints, not bytes");
   }
+  if (PyUnicode_Check(seq.ptr())) throw py::type_error("token ids must be ints, not str");
   if (!in_place) seq = py::list(py::reinterpret_borrow<py::iterable>(token_ids));
   const std::string extra_keys = extra;
   try {

@@ -32,10 +32,16 @@ ECK_INLINE float round_to(float x, const bf16*) {
   return to_f32(b);
 }
 
-// exp for x <= ~88 (Cephes' polynomial on a range-reduced argument, ~2 ulp),
-// written so the compiler vectorizes it; exp(-inf) and anything below -88 is 0.
+// exp (Cephes' polynomial on a range-reduced argument, ~2 ulp), written so the
+// compiler vectorizes it: exp(-inf) and anything below -88 is 0, anything above
+// expf's overflow point (88.72...) is +inf as expf gives (SiLU's x / (1 + exp(-x))
+// must reach -0 for a huge negative x, NaN for -inf), (88, 88.72] is 2 exp(x - ln 2)
+// (2^n past n = 127 would not fit the exponent trick below), NaN stays NaN.
 ECK_INLINE float fast_exp(float x) {
-  x = x < -88.0f ? -88.0f : (x > 88.0f ? 88.0f : x);
+  const float x_in = x;
+  const bool high = x > 88.0f;
+  x = high ? x - 0.693147180559945f : x;
+  x = x < -88.0f ? -88.0f : (x > 88.3f ? 88.3f : x);  // 88.3: n <= 127 below
   // n = round(x / ln 2) by the 1.5 * 2^23 shift (no floorf: it keeps loops scalar
   // below SSE4.1 and under GCC's target pragmas); its low bits are n itself.
   const float shifted = x * 1.44269504088896341f + 12582912.0f;
@@ -51,7 +57,9 @@ ECK_INLINE float fast_exp(float x) {
   p = p * r * r + r + 1.0f;
   // 2^n as float bits; n = -127 at the clamp gives 0, so exp(-inf) is exactly 0.
   const int32_t e = (__builtin_bit_cast(int32_t, shifted) - 0x4B400000) + 127;
-  return p * __builtin_bit_cast(float, e << 23);
+  const float y = p * __builtin_bit_cast(float, e << 23);
+  const float scaled = high ? 2.0f * y : y;
+  return x_in >= 88.72283935546875f ? __builtin_inff() : scaled;  // expf's overflow
 }
 
 ECK_INLINE float fast_tanh(float x) {

@@ -94,7 +94,67 @@ def test_parent_as_any_32_byte_bytes_like(hot_path):
             block_hashes(TOKENS, 8, parent=p)
 
 
+def test_extra_must_be_bytes_on_both_paths():
+    from enginecore import _C
+    from enginecore.sched.block_hash import block_hashes_py
+
+    for extra in (bytearray(b"x"), "x", None):
+        for fn in (_C.block_hashes, block_hashes_py):
+            with pytest.raises(TypeError):
+                fn(TOKENS, 16, None, extra)
+
+
 def test_uint32_wraps_are_not_taken(hot_path):
     # 2**32 + t is not t: refused, never hashed as its low 32 bits
     with pytest.raises(ValueError, match="token ids"):
         block_hashes([np.uint64(2**32 + 5)] * 16, 16)
+
+
+def test_str_is_not_ids(hot_path):
+    for text in ("", "abcd" * 8):
+        with pytest.raises(TypeError, match="not str"):
+            block_hashes(text, 4)
+
+
+def test_an_index_that_overflows_is_a_range_error(hot_path):
+    class Overflowing:
+        def __index__(self):
+            raise OverflowError("boom")
+
+    with pytest.raises(ValueError, match="token ids must be in"):
+        block_hashes(TOKENS + [Overflowing()], 16)
+
+
+def test_block_sizes_past_any_sequence_hash_nothing(hot_path):
+    for size in (2**62, 2**63, 2**64, 2**80):
+        assert block_hashes(TOKENS, size) == []
+    with pytest.raises(ValueError, match="token ids"):
+        block_hashes(TOKENS + [-1], 2**64)  # every id is still checked
+
+
+def test_containers_read_their_own_items_once(hot_path):
+    class ListWithOwnIter(list):
+        def __iter__(self):
+            return iter([7] * len(self))
+
+    class TupleWithOwnGetitem(tuple):
+        def __getitem__(self, i):
+            return 7
+
+    assert block_hashes(ListWithOwnIter(TOKENS), 16) == block_hashes(TOKENS, 16)
+    assert block_hashes(TupleWithOwnGetitem(TOKENS), 16) == block_hashes(TOKENS, 16)
+
+    # a generator whose ids depend on how far it has been drawn: all drawn first
+    drawn = []
+
+    class Seen(Index):
+        def __index__(self):
+            return self.value + len(drawn)
+
+    def gen():
+        for t in TOKENS:
+            drawn.append(t)
+            yield Seen(t)
+
+    expected = [t + len(TOKENS) for t in TOKENS]
+    assert block_hashes(gen(), 16) == block_hashes(expected, 16)

@@ -62,6 +62,38 @@ def test_silu_and_mul(native, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 7, 255, 256, 257, 1000])
+def test_silu_and_mul_at_the_edges_of_exp(native, dtype, width):
+    # huge negative gates reach -0 (exp overflows to inf), -inf gives NaN, inf
+    # and NaN pass through, (88, 88.72] is finite: as torch's F.silu
+    edges = torch.tensor([-3e38, -1e36, -1e4, -100.0, -89.0, -88.7, -88.5, -88.0, -87.0,
+                          -20.0, -1e-30, -0.0, 0.0, 1e-30, 20.0, 88.0, 1e4, 3e38,
+                          float("-inf"), float("inf"), float("nan")])
+    gate = edges.repeat(width // len(edges) + 1)[:width]
+    gu = torch.cat([gate, torch.full((width,), 2.0)]).reshape(1, -1).to(dtype)
+    got, want = fused_ops.silu_and_mul(gu), fused_ops.silu_and_mul_torch(gu)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].isinf(), want[finite].isinf())
+    num = finite & ~want.isinf()
+    close = (got[num].float() - want[num].float()).abs()
+    assert close.le(want[num].float().abs() * 2**-6 + 1e-30).all(), (got, want)
+    assert torch.equal(torch.signbit(got[finite & (want == 0)]),
+                       torch.signbit(want[finite & (want == 0)]))
+
+
+@pytest.mark.parametrize("native_path", [True, False])
+def test_silu_and_mul_refuses_an_odd_width_on_both_paths(native_path):
+    previous = _native._enabled
+    _native.set_native(native_path)
+    try:
+        with pytest.raises(ValueError, match="even width"):
+            fused_ops.silu_and_mul(torch.ones(3, 5))
+    finally:
+        _native._enabled = previous
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_gives_the_twins_bits(native, dtype):
     g = torch.Generator().manual_seed(3)
     cos = torch.randn(50, 64, generator=g).to(dtype)

@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from enginecore.entrypoints.openai import ignored_fields as ig
+from enginecore.entrypoints.openai.errors import APIError
 from enginecore.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from enginecore.entrypoints.openai.serving_engine import decode_body
 
@@ -74,3 +75,35 @@ def test_renamed_fields_count_as_known():
     for f in msgspec.structs.fields(ChatCompletionRequest):
         body = msgspec.json.encode({"model": "m", "messages": [], f.encode_name: None})
         assert ig.ignored_fields(body, ChatCompletionRequest) == [], f.encode_name
+
+
+def test_what_is_logged_and_kept_is_bounded(caplog):
+    names = [f"k{i}" for i in range(100)] + ["x" * 100_000]
+    body = msgspec.json.encode({"model": "m", "prompt": "hi", **{n: 1 for n in names}})
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        decode_body(body, CompletionRequest)
+    (record,) = [r for r in caplog.records if r.name == LOGGER]
+    message = record.getMessage()
+    assert len(message) < 4000 and "more" in message
+    assert all(len(k) <= 67 for s in ig._warned for k in s)
+
+
+def test_listing_failures_never_fail_the_request(monkeypatch, caplog):
+    def deep(_body, _kind):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(ig, "ignored_fields", deep)
+    body = b'{"model": "m", "prompt": "hi", "zz": 1}'
+    assert decode_body(body, CompletionRequest).prompt == "hi"
+
+
+def test_a_body_nested_near_the_limit_still_runs():
+    # unknown field holding JSON nested just under what the real decode accepts
+    for depth in range(900, 1100, 7):
+        body = ('{"model": "m", "prompt": "hi", "zz": ' + "[" * depth + "]" * depth + "}").encode()
+        try:
+            req = decode_body(body, CompletionRequest)
+        except APIError as e:  # the real decode's own 400 for too deep a body
+            assert e.status == 400, repr(e)
+        else:
+            assert req.prompt == "hi"

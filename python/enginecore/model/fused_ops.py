@@ -86,6 +86,9 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows of [gate | up] (the fused gate_up projection)."""
+    if gate_up.shape[-1] % 2:  # both paths refuse alike (the kernel would drop a column)
+        raise ValueError("silu_and_mul needs [gate | up] of an even width, got "
+                         f"{gate_up.shape[-1]}")
     ext = _native_for(gate_up)
     if ext is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
         return silu_and_mul_torch(gate_up)

@@ -56,11 +56,9 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as uint32 little endian; negative or >= 2**32 ids raise ``ValueError``."""
     if isinstance(token_ids, (bytes, bytearray)):  # one id per byte, or raw uint32s?
         raise TypeError("token ids must be a sequence of ints, not bytes")
-    if isinstance(token_ids, list):
-        # The ids as they are now: an id's __index__ that changes the list does
-        # not change what is read (array() would raise IndexError; the native
-        # path reads a snapshot too).
-        token_ids = tuple(token_ids)
+    if isinstance(token_ids, str):
+        raise TypeError("token ids must be ints, not str")
+    token_ids = _snapshot(token_ids)
     try:
         arr = array("I", token_ids)
     except OverflowError as e:
@@ -72,14 +70,37 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def _snapshot(token_ids):
+    """The ids as the native path reads them, before any id's ``__index__`` runs:
+    a list's or tuple's own items (not a subclass's ``__iter__``), a buffer as it
+    is, any other iterable drawn once (so an id that changes the container, or a
+    generator whose ids depend on its progress, reads as there)."""
+    if isinstance(token_ids, list):
+        return tuple(list.__iter__(token_ids))
+    if isinstance(token_ids, tuple):
+        return token_ids if type(token_ids) is tuple else tuple(tuple.__iter__(token_ids))
+    try:
+        memoryview(token_ids).release()
+        return token_ids  # a buffer (array('I'), numpy): array() reads it alike
+    except TypeError:
+        return tuple(token_ids)
+
+
 def check_algo(algo: str) -> None:
     if algo not in HASH_ALGOS:
         raise ValueError(f"unknown prefix caching hash algo {algo!r}; supported: {HASH_ALGOS}")
 
 
-def check_block_size(block_size: int) -> None:
+# No sequence has more ids than this: a larger block size hashes nothing, the
+# same as this one (the native path takes a size_t).
+_MAX_BLOCK_SIZE = 1 << 62
+
+
+def check_block_size(block_size: int) -> int:
+    """``block_size`` as both paths take it: positive (ValueError), at most 2**62."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    return min(block_size, _MAX_BLOCK_SIZE)
 
 
 def parent_bytes(parent: bytes | bytearray | memoryview | None) -> bytes | None:
@@ -100,7 +121,9 @@ def block_hashes_py(token_ids: Sequence[int], block_size: int, parent: bytes | N
                     extra: bytes) -> list[bytes]:
     """The twin of ``_C.block_hashes``: the chained hash of every full block of
     ``token_ids``, with the extra keys already encoded (``encode_extra_keys``)."""
-    check_block_size(block_size)
+    block_size = check_block_size(block_size)
+    if not isinstance(extra, bytes):  # as the binding's bytes argument
+        raise TypeError(f"extra must be bytes, got {type(extra).__name__}")
     return chain_hashes_py(token_ids, block_size, parent_bytes(parent), extra)
 
 
@@ -169,7 +192,7 @@ def block_hashes(
     check_algo(algo)
     # Here too, so both paths refuse alike (pybind11 would raise TypeError for a
     # negative block size, the twin ValueError).
-    check_block_size(block_size)
+    block_size = check_block_size(block_size)
     hashes = _native.twin("block_hashes", block_hashes_py)
     return hashes(token_ids, block_size, parent_bytes(parent), encode_extra_keys(extra_keys))
 

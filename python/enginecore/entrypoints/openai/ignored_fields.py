@@ -24,8 +24,10 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 
-FULL_SCAN_MAX_BYTES = 1 << 20
+FULL_SCAN_MAX_BYTES = 64 << 10
 _MAX_WARNED = 1024  # distinct sets remembered; past that everything is a debug line
+_MAX_NAMES = 32  # names logged per request
+_MAX_NAME_CHARS = 64  # characters of a name logged (and remembered)
 _UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$", re.S)
 
 _key_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -66,14 +68,31 @@ def ignored_fields(body: bytes, kind: type) -> list[str]:
     return sorted(k for k in _key_decoder.decode(body) if k not in known)
 
 
+def _shown(name: str) -> str:
+    return name if len(name) <= _MAX_NAME_CHARS else name[:_MAX_NAME_CHARS] + "..."
+
+
 def log_ignored_fields(body: bytes, kind: type) -> None:
-    extra = ignored_fields(body, kind)
+    """Log them; never raises (a log line must not fail the request it is about)."""
+    try:
+        extra = ignored_fields(body, kind)
+    except Exception:  # e.g. RecursionError near the stack's end
+        logger.debug("could not list the ignored fields of a request body", exc_info=True)
+        return
     if not extra:
         return
-    fields = frozenset(extra)
+    # What is kept and logged is bounded whatever the client sends: names cut
+    # to _MAX_NAME_CHARS, at most _MAX_NAMES of them.
+    shown = [_shown(k) for k in extra[:_MAX_NAMES]]
+    more = len(extra) - len(shown)
+    if len(body) > FULL_SCAN_MAX_BYTES:
+        more_text = " (and maybe more: only the first is looked for in a body this large)"
+    else:
+        more_text = f" and {more} more" if more else ""
+    fields = frozenset(shown)
     first = fields not in _warned and len(_warned) < _MAX_WARNED
     if first:
         _warned.add(fields)
     logger.log(logging.WARNING if first else logging.DEBUG,
-               "The following fields were present in the request but ignored: %s",
-               set(extra))
+               "The following fields were present in the request but ignored: %s%s",
+               set(shown), more_text)
