@@ -114,13 +114,9 @@ void BlockPool::release(int32_t block) {
 
 void BlockPool::cache(int32_t block, const Hash32& h) {
   if (has_hash_[block]) return;
-  const Hash32 previous = hash_[block];  // the index reads the key from hash_
+  // The index reads the key from hash_; without has_hash_ nothing reads it.
   hash_[block] = h;
-  if (cached_.insert(block, hash_.data())) {
-    has_hash_[block] = 1;
-  } else {
-    hash_[block] = previous;
-  }
+  if (cached_.insert(block, hash_.data())) has_hash_[block] = 1;
 }
 
 void BlockPool::uncache(int32_t block) {

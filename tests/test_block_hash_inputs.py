@@ -63,13 +63,17 @@ def test_bad_ids_raise_the_same_error(hot_path, ids, error):
         block_hashes(ids, 16)
 
 
-def test_an_index_that_raises_propagates(hot_path):
-    class Broken:
+@pytest.mark.parametrize("raised, error, match", [
+    (RuntimeError("broken id"), RuntimeError, "broken id"),  # propagates as it is
+    (OverflowError("boom"), ValueError, "token ids must be in"),  # a range error, as array()
+])
+def test_an_index_that_raises(hot_path, raised, error, match):
+    class Raising:
         def __index__(self):
-            raise RuntimeError("broken id")
+            raise raised
 
-    with pytest.raises(RuntimeError, match="broken id"):
-        block_hashes(TOKENS + [Broken()], 16)
+    with pytest.raises(error, match=match):
+        block_hashes(TOKENS + [Raising()], 16)
 
 
 @pytest.mark.parametrize("raw", [bytes(64), bytearray(64)])
@@ -114,15 +118,6 @@ def test_str_is_not_ids(hot_path):
     for text in ("", "abcd" * 8):
         with pytest.raises(TypeError, match="not str"):
             block_hashes(text, 4)
-
-
-def test_an_index_that_overflows_is_a_range_error(hot_path):
-    class Overflowing:
-        def __index__(self):
-            raise OverflowError("boom")
-
-    with pytest.raises(ValueError, match="token ids must be in"):
-        block_hashes(TOKENS + [Overflowing()], 16)
 
 
 def test_block_sizes_past_any_sequence_hash_nothing(hot_path):

@@ -194,7 +194,7 @@ def block_hashes(
     # negative block size, the twin ValueError).
     block_size = check_block_size(block_size)
     hashes = _native.twin("block_hashes", block_hashes_py)
-    return hashes(token_ids, block_size, parent_bytes(parent), encode_extra_keys(extra_keys))
+    return hashes(token_ids, block_size, parent, encode_extra_keys(extra_keys))
 
 
 def sha256_py(data: bytes) -> bytes:
