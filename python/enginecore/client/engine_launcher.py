@@ -62,6 +62,34 @@ def _running(proc: Process) -> bool:
     return proc.is_alive() and not multiprocessing.connection.wait([proc.sentinel], 0)
 
 
+def exit_code_unreaped(proc: Process, wait_s: float = 1.0) -> int | None:
+    """The exit code of a child whose sentinel is ready, read without reaping it.
+    ``proc.exitcode`` reaps (waitpid); a second thread reaping the same child at the
+    same moment (the owner's own ``proc.join()``) gets ECHILD, and multiprocessing
+    then loses the code for good: ``exitcode`` None, ``is_alive()`` True. waitid with
+    WNOWAIT leaves the child for its owner. Negative: the signal that ended it, as
+    multiprocessing reports it. None if it is not known within ``wait_s`` (the
+    sentinel closes a moment before the child can be waited for)."""
+    waitid = getattr(os, "waitid", None)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if waitid is None or proc.pid is None:
+            return proc.exitcode
+        try:
+            status = waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already: by its owner, whose code it is
+            code = proc.exitcode
+            if code is not None or time.monotonic() >= deadline:
+                return code
+        else:
+            if status is not None:
+                exited = status.si_code == os.CLD_EXITED
+                return status.si_status if exited else -status.si_status
+            if time.monotonic() >= deadline:
+                return None
+        time.sleep(0.01)
+
+
 class LaunchingClient(WatchedClient, Protocol):
     """What the launcher reads of the client that owns it (client/mp_client.py).
     ``config`` is read each time: an elastic rescale replaces it."""
@@ -341,7 +369,8 @@ class EngineLauncher:
                 if died:
                     break
             launcher.watch.announce_dead(", ".join(
-                f"{p.name} (pid {p.pid}) died with exit code {p.exitcode}" for p in died))
+                f"{p.name} (pid {p.pid}) died with exit code {exit_code_unreaped(p)}"
+                for p in died))
 
         self._monitor = threading.Thread(target=monitor, daemon=True, name="enginecore-monitor")
         self._monitor.start()
