@@ -7,6 +7,7 @@
 // (request ids, sampled token lists) and to build the results the runner and
 // the clients get.
 #include <pybind11/pybind11.h>
+#include <structmember.h>
 
 #include <stdexcept>
 #include <string>
@@ -28,9 +29,52 @@ Py_ssize_t as_index(PyObject* o) {
   return v;
 }
 
+// Where Request.slot lives in a request of one type: the offset of its
+// __slots__ member, valid while the type's version tag is (any change to the
+// type, say a property put in the member's place, gives it a new tag).
+struct SlotMember {
+  PyTypeObject* type = nullptr;  // strong reference once set
+  unsigned int tag = 0;
+  Py_ssize_t offset = 0;
+};
+
+// Remembers `slot`'s member for `tp` when reading it straight from the instance
+// is what attribute access does: generic getattr, and the name resolves on the
+// type to a __slots__ object member (a data descriptor: nothing shadows it).
+void remember_slot_member(PyTypeObject* tp, PyObject* name, SlotMember& m) {
+  if (tp->tp_getattro != PyObject_GenericGetAttr) return;
+  PyObject* d = PyObject_GetAttr(reinterpret_cast<PyObject*>(tp), name);  // the descriptor
+  if (d == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  const bool member = Py_TYPE(d) == &PyMemberDescr_Type &&
+                      reinterpret_cast<PyMemberDescrObject*>(d)->d_member->type == T_OBJECT_EX;
+  const Py_ssize_t offset = member ? reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset : 0;
+  Py_DECREF(d);
+  if (!member || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) return;
+  Py_INCREF(tp);
+  Py_XDECREF(m.type);
+  m.type = tp;
+  m.tag = tp->tp_version_tag;
+  m.offset = offset;
+}
+
+// Request.slot as `request.slot` reads it. Requests of the remembered type are
+// read in place (the call was ~4 % of a step at 256 decodes); anything else,
+// or a slot that is not a small int, takes the attribute call.
 int64_t slot_of_request(PyObject* request) {
   static PyObject* name = PyUnicode_InternFromString("slot");  // immortal for the module
+  static SlotMember member;
+  PyTypeObject* tp = Py_TYPE(request);
+  if (tp == member.type && (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
+      tp->tp_version_tag == member.tag) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(request) + member.offset);
+    long long slot;
+    if (v != nullptr && PyLong_CheckExact(v) && compact_long(v, slot)) return slot;
+  }
   Ref v(PyObject_GetAttr(request, name));
+  if (tp != member.type || tp->tp_version_tag != member.tag) remember_slot_member(tp, name, member);
   return as_index(v.p);
 }
 

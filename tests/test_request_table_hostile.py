@@ -36,6 +36,15 @@ class Req:
         self.slot = slot
 
 
+class SlotsReq:
+    """As Request keeps it: ``slot`` a __slots__ member (read in place natively)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot):
+        self.slot = slot
+
+
 def add(table, **kw):
     return table.add(**{**ADD, **kw})
 
@@ -66,7 +75,7 @@ def state(table):
 
 
 def normalised(value):
-    if isinstance(value, Req):
+    if isinstance(value, (Req, SlotsReq)):
         return ("Req", value.slot)
     if isinstance(value, (list, tuple)):
         return [normalised(v) for v in value]
@@ -303,6 +312,48 @@ def three_running(t):
     return reqs
 
 
+def three_slots_running(t, cls=SlotsReq):
+    reqs = [cls(r.slot) for r in three_running(t)]
+    return reqs
+
+
+def slot_unset(t):
+    reqs = three_slots_running(t)
+    del reqs[1].slot
+    return reqs
+
+
+def type_changed_between_steps(t, sched):
+    """The native loop remembers where `slot` lives in a type; a property put in the
+    member's place afterwards is what `request.slot` reads, and so must the loop."""
+    class Changing(SlotsReq):
+        __slots__ = ()
+
+    rows = three_slots_running(t, Changing)
+    first = schedule(t, sched, running=rows[:1])  # row 0's prompt: computed
+    Changing.slot = property(lambda self: 2)  # the same request object is row 2 now
+    second = schedule(t, sched, running=rows[:1])
+    assert second[6] == ["r2"]  # not row 0 again (nothing left to schedule there)
+    t.append_token_ids(2, [5])  # once more: the type has a valid version tag again
+    third = schedule(t, sched, running=rows[:1])
+    assert third[6] == ["r2"]
+    return first, second, third
+
+
+def subclass_property(t, sched):
+    class Shadowed(SlotsReq):
+        __slots__ = ()
+        slot = property(lambda self: 2)
+
+        def __init__(self):  # nothing to set: the property is its slot
+            pass
+
+    schedule(t, sched, running=three_slots_running(t)[:1])  # remembers SlotsReq
+    second = schedule(t, sched, running=[Shadowed(), SlotsReq(1)])
+    assert second[6] == ["r2", "r1"]  # the property's row, then the member's
+    return second
+
+
 def schedule(t, sched, **kw):
     args = dict(skip=set(), in_flight=None, token_budget=100, threshold=0, max_len_1=100,
                 max_model_len=100, priority=False)
@@ -368,6 +419,14 @@ LOOP_CASES = {
     "running_not_requests": lambda t, s, u: schedule(t, s, running=[object()]),
     "running_bad_slot": lambda t, s, u: schedule(t, s, running=[Req(99)]),
     "running_duplicate": lambda t, s, u: schedule(t, s, running=[Req(0), Req(0)]),
+    "running_slots": lambda t, s, u: schedule(t, s, running=three_slots_running(t)),
+    "running_slots_unset": lambda t, s, u: schedule(t, s, running=slot_unset(t)),
+    "running_slots_odd_values": lambda t, s, u: (
+        three_running(t), schedule(t, s, running=[SlotsReq(True), SlotsReq(np.int64(0))])),
+    "running_slots_past_int64": lambda t, s, u: (
+        three_running(t), schedule(t, s, running=[SlotsReq(0), SlotsReq(2**70)])),
+    "running_slots_type_changed": lambda t, s, u: type_changed_between_steps(t, s),
+    "running_slots_subclass_property": lambda t, s, u: subclass_property(t, s),
     "skip_list": lambda t, s, u: schedule(t, s, skip=["r0"]),
     "skip_dict": lambda t, s, u: schedule(t, s, skip={"r1": 1}),
     "preempt_fcfs": lambda t, s, u: tight(t, s),
@@ -386,3 +445,11 @@ LOOP_CASES = {
 @pytest.mark.parametrize("name", sorted(LOOP_CASES))
 def test_both_loops_agree_on_hostile_calls(name):
     both(LOOP_CASES[name])
+
+
+@pytest.mark.parametrize("name", ["running_slots_type_changed",
+                                  "running_slots_subclass_property"])
+def test_slot_read_in_place_follows_the_type(name):
+    """Both run to the end (their asserts hold) on both paths."""
+    for kind in KINDS:
+        assert outcome(kind, LOOP_CASES[name])[0][0] == "ok", kind
