@@ -48,4 +48,17 @@ inline bool compact_long(PyObject* o, long long& out) {
 #endif
 }
 
+// An empty dict with room for `n` items without a resize (a dict grown item by
+// item to a step's 256 requests resized ~6 times: ~2 % of an engine step).
+inline pybind11::dict presized_dict(Py_ssize_t n) {
+#if PY_VERSION_HEX < 0x030D0000
+  PyObject* d = _PyDict_NewPresized(n);
+#else
+  (void)n;  // private since 3.13: plain growth there
+  PyObject* d = PyDict_New();
+#endif
+  if (d == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::dict>(d);
+}
+
 }  // namespace enginecore

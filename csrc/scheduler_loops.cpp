@@ -157,7 +157,7 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
   const int64_t bs = t.block_size();
   const bool caching = t.caching();
   py::list scheduled, new_block_ids, preempted;
-  py::dict num_scheduled, spec_tokens;
+  py::dict num_scheduled = presized_dict(PyList_GET_SIZE(running)), spec_tokens;
   std::vector<int64_t> scheduled_slots, scheduled_tokens;  // beside `scheduled`
   std::vector<int32_t> fresh;
   Py_ssize_t i = 0;

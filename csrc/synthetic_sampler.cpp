@@ -36,7 +36,7 @@ py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
   const Py_ssize_t n = PyDict_GET_SIZE(scheduled.ptr());
   const Py_ssize_t num_cached = PyList_GET_SIZE(cached_ids.ptr());
   py::list req_ids(n), sampled(n);
-  py::dict index_of;
+  py::dict index_of = presized_dict(n);
   const bool any_spec = PyDict_GET_SIZE(spec.ptr()) > 0;
   Py_ssize_t pos = 0, i = 0;
   PyObject *rid, *num;
