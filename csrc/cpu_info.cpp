@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -84,6 +85,10 @@ py::dict cpu_kernels_info() {
   d["amx_permission"] = amx_permission();
   // The bf16 GEMM model/linear.py runs where oneDNN has no bf16 path.
   d["bf16_linear"] = bf16_linear_isa();
+  // Decode attention (attention_decode_avx512.h) where the AVX-512 kernels run.
+  d["attention_decode"] = std::strcmp(cpu_kernels().isa, "avx512") == 0
+                              ? "avx512 registers (head_dim 64 / 128, up to 8 rows per KV head)"
+                              : "generic";
   d["amx_kernels"] = "none (no AMX kernel ships: none could be verified on an AMX machine)";
   // Times the kernels' OpenMP team was found starved (another process on its
   // cores) and ran the next calls on one thread (cpu_threads.cpp).

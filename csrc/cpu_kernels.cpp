@@ -6,16 +6,23 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#endif
+
 namespace enginecore {
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define ENGINECORE_MULTI_ISA 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+// Only here: the decode attention on AVX-512 registers (attention_decode_avx512.h).
+#define ECK_AVX512_DECODE 1
 namespace isa_avx512 {
 #include "cpu_kernels_impl.h"
 #include "cpu_kernels_argmax_impl.h"
 }  // namespace isa_avx512
+#undef ECK_AVX512_DECODE
 #pragma GCC pop_options
 
 #pragma GCC push_options

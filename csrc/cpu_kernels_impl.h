@@ -244,8 +244,17 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
   }
 }
 
+#ifdef ECK_AVX512_DECODE
+#include "attention_decode_avx512.h"
+#endif
+
 template <typename T>
 void attend(const AttnParams& p, const AttnItem& it, float* buf) {
+#ifdef ECK_AVX512_DECODE
+  // Few rows (decode): on registers where the head size has a path there.
+  if (p.head_dim == 64 && attend_decode_fast<T, 64>(p, it)) return;
+  if (p.head_dim == 128 && attend_decode_fast<T, 128>(p, it)) return;
+#endif
   switch (p.head_dim) {
     case 64: return attend_item<T, 64>(p, it, buf);
     case 128: return attend_item<T, 128>(p, it, buf);

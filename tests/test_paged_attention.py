@@ -164,3 +164,39 @@ def test_kernels_split_work_on_torchs_own_openmp():
     assert info["isa"] in ("avx512", "avx2", "baseline")
     if torch_gomp:  # the CPU wheel bundles it
         assert os.path.realpath(info["openmp"]) in {os.path.realpath(p) for p in torch_gomp}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group,new_tokens", [(1, 1), (3, 1), (4, 2), (7, 1), (8, 1), (3, 2)])
+@pytest.mark.parametrize("window,cap", [(None, None), (40, None), (None, 30.0)])
+def test_decode_rows_on_every_path(dtype, head_dim, group, new_tokens, window, cap):
+    """The shapes the AVX-512 register path takes (head_dim 64 / 128, up to 8 rows per
+    KV head; attention_decode_avx512.h) and the ones next to it, over contexts that
+    end inside, on and past tile (32) and 16-position boundaries, many tiles long:
+    native = twin = float64 reference within the float tolerances."""
+    rng = np.random.default_rng(head_dim * 1000 + group * 10 + new_tokens)
+    seqs = [(c, new_tokens) for c in (0, 15, 31, 32, 33, 100, 257)]
+    kv_heads = 2
+    q, kn, vn, kc, vc, meta, slots_of = make_case(
+        rng, dtype, kv_heads * group, kv_heads, head_dim, 16, seqs)
+    scale = head_dim ** -0.5
+    kc_twin, vc_twin = kc.clone(), vc.clone()
+    twin = paged_attention_torch(q, kn, vn, kc_twin, vc_twin, meta, scale, window, cap)
+    native = paged_attention_native(_native._ext, q, kn, vn, kc, vc, meta, scale, window, cap)
+    ref = reference(q, kc, vc, meta, slots_of, scale, window, cap).view(native.shape)
+    if dtype == torch.float32:
+        torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(native, twin, atol=3e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(native.double(), ref, atol=1.6e-2, rtol=8e-3)
+        torch.testing.assert_close(native.float(), twin.float(), atol=6e-2, rtol=3e-2)
+
+
+def test_decode_path_is_reported():
+    """cpu_kernels_info says which decode attention runs: the register path wherever the
+    AVX-512 kernels were picked, the generic loops elsewhere."""
+    info = _native._ext.cpu_kernels_info()
+    expected = "generic" if info["isa"] != "avx512" else info["attention_decode"]
+    assert info["attention_decode"] == expected
+    assert info["attention_decode"].startswith("avx512") == (info["isa"] == "avx512")

@@ -162,6 +162,7 @@ def cpu_kernels_info_py() -> dict[str, str | bool | int]:
             "amx": {"amx_bf16", "amx_tile"} <= flags,
             "amx_permission": "not requested",
             "bf16_linear": "torch",
+            "attention_decode": "torch",
             "amx_kernels": "none (the Python path runs torch's own ops)",
             "starved_team_spells": 0}
 

@@ -1,0 +1,216 @@
+// Decode attention on AVX-512 registers <-> attend_item (cpu_kernels_impl.h), whose
+// few-rows branch it replaces where it applies; the torch twin is unchanged
+// (python/enginecore/model/attention.py paged_attention_torch).
+// Included by cpu_kernels_impl.h only inside cpu_kernels.cpp's AVX-512 namespace
+// (ECK_AVX512_DECODE), after the helpers it uses (to_f32, from_f32, fast_exp, ...).
+//
+// Why: a decode item is the G query heads of one KV head (3 rows on the default
+// model). The generic branch dotted every (row, position) pair with a horizontal
+// sum of its own and added each V row into accumulators kept in memory: 7 GFLOP/s
+// on one Zen 4 core, 5x under the memory rate of the K/V it reads. Here the
+// queries and the accumulators live in registers for the whole item, the scores of
+// 16 positions come out of one transpose-and-add tree (hsum16), and each K and V
+// row is widened from bf16 once, in registers, for all rows.
+//
+// Same arithmetic as attend_item (fp32 products and sums, the same online softmax
+// and fast_exp), sums in another order: equal to the twin within the tolerances of
+// tests/test_paged_attention.py, as the generic branch is.
+
+// 16 floats of a row, widened from bf16 in registers.
+ECK_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+ECK_INLINE __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: pairs of vectors interleaved
+// and added (each 128-bit block then holds partial sums of two, then four vectors),
+// then the four blocks folded: 45 instructions for 16 sums instead of 16 trees.
+ECK_INLINE __m512 hsum16(const __m512* v) {
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // x[i]'s block k: the block-k partial sums of v[4i .. 4i+3].
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The K and V rows of positions [t0, min(t0 + kTile - 1, hi)] asked into L2. The rows
+// are scattered over the cache (a 64- or 128-value row per block position and
+// head, blocks anywhere): waited for one by one, their misses kept a core at a
+// quarter of its streaming rate. One tile ahead, into L2 (_MM_HINT_T1: into L1
+// the requests overflowed its miss buffers and ran no faster), doubled the rate
+// on 64 decodes at context 1k (docs/benchmarks.md).
+template <typename T, int D>
+ECK_INLINE void prefetch_rows(const AttnParams& p, const int32_t* table, int64_t head_off, int t0,
+                              int hi) {
+  const int bs = p.block_size;
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  for (int t = t0; t <= hi && t < t0 + kTile; ++t) {
+    const int64_t o =
+        ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * p.c_ss + head_off) * sizeof(T);
+    for (int i = 0; i < static_cast<int>(D * sizeof(T)); i += 64) {
+      _mm_prefetch(kc + o + i, _MM_HINT_T1);
+      _mm_prefetch(vc + o + i, _MM_HINT_T1);
+    }
+  }
+}
+
+// One work item with R = G * (q1 - q0) rows and head_dim D (a multiple of 16).
+template <typename T, int D, int R>
+void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
+  constexpr int C = D / 16;  // vectors per row
+  const int G = p.num_heads / p.num_kv_heads;
+  const T* q = static_cast<const T*>(p.q);
+  const int qstart = p.query_start[it.seq];
+  const int qlen = p.query_start[it.seq + 1] - qstart;
+  const int first_pos = p.seq_lens[it.seq] - qlen;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  __m512 Q[R][C], A[R][C];
+  float m[R], l[R];
+  int qpos[R];
+  for (int r = 0; r < R; ++r) {
+    const int i = it.q0 + r / G;
+    const int h = it.kvh * G + r % G;
+    const T* src = q + static_cast<int64_t>(qstart + i) * p.q_st + static_cast<int64_t>(h) * p.q_sh;
+    for (int c = 0; c < C; ++c) {
+      Q[r][c] = _mm512_mul_ps(load16(src + 16 * c), scale);
+      A[r][c] = _mm512_setzero_ps();
+    }
+    m[r] = -__builtin_inff();
+    l[r] = 0.0f;
+    qpos[r] = first_pos + i;
+  }
+  const int hi = first_pos + it.q1 - 1;  // the last position any row may see
+  int lo = 0;
+  if (p.sliding_window > 0) {
+    lo = first_pos + it.q0 - p.sliding_window + 1;
+    if (lo < 0) lo = 0;
+  }
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  const int32_t* table = p.block_table + static_cast<int64_t>(it.seq) * p.bt_stride;
+  const int bs = p.block_size;
+  const int64_t head_off = static_cast<int64_t>(it.kvh) * p.c_sh;
+  prefetch_rows<T, D>(p, table, head_off, lo, hi);
+  alignas(64) float S[R][kTile];
+  __m512 P[R][16];  // per row, 16 positions' lane-wise partial dot products
+  int64_t off[kTile];  // each position's row, from the start of either cache
+  for (int t0 = lo; t0 <= hi; t0 += kTile) {
+    const int n = hi - t0 + 1 < kTile ? hi - t0 + 1 : kTile;
+    for (int j = 0; j < n; ++j) {  // a tile may span blocks: each position's slot
+      const int t = t0 + j;
+      off[j] = (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * p.c_ss + head_off;
+    }
+    // The next tile's rows, while this one computes.
+    prefetch_rows<T, D>(p, table, head_off, t0 + kTile, hi);
+    // Scores, 16 positions at a time: each K row widened once for all R rows.
+    for (int j0 = 0; j0 < n; j0 += 16) {
+      const int nj = n - j0 < 16 ? n - j0 : 16;
+      for (int jj = 0; jj < nj; ++jj) {
+        __m512 k[C];
+        for (int c = 0; c < C; ++c) k[c] = load16(kc + off[j0 + jj] + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          __m512 s = _mm512_mul_ps(Q[r][0], k[0]);
+          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(Q[r][c], k[c], s);
+          P[r][jj] = s;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int jj = nj; jj < 16; ++jj) P[r][jj] = _mm512_setzero_ps();
+        _mm512_store_ps(&S[r][j0], hsum16(P[r]));
+      }
+    }
+    // Soft cap, masks, online softmax: attend_item's, with the rescale of the
+    // accumulators done in registers.
+    for (int r = 0; r < R; ++r) {
+      float* sr = S[r];
+      if (p.soft_cap > 0.0f) {
+        const float cap = p.soft_cap, inv = 1.0f / p.soft_cap;
+#pragma omp simd
+        for (int j = 0; j < n; ++j) sr[j] = cap * fast_tanh(sr[j] * inv);
+      }
+      const int qp = qpos[r];
+      const int win = p.sliding_window;
+      if (t0 + n - 1 > qp || (win > 0 && qp - t0 >= win)) {
+        for (int j = 0; j < n; ++j) {
+          const int t = t0 + j;
+          const bool ok = t <= qp && (win <= 0 || qp - t < win);
+          sr[j] = ok ? sr[j] : -__builtin_inff();
+        }
+      }
+      float mt = -__builtin_inff();
+#pragma omp simd reduction(max : mt)
+      for (int j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
+      if (mt == -__builtin_inff()) {  // nothing visible in this tile: weights 0
+        for (int j = 0; j < n; ++j) sr[j] = 0.0f;
+        continue;
+      }
+      const float m_new = mt > m[r] ? mt : m[r];
+      const float corr = fast_exp(m[r] - m_new);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; ++j) {
+        sr[j] = fast_exp(sr[j] - m_new);
+        sum += sr[j];
+      }
+      if (corr != 1.0f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int c = 0; c < C; ++c) A[r][c] = _mm512_mul_ps(A[r][c], cv);
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = m_new;
+    }
+    // Values: each V row widened once, added into every row's accumulators.
+    for (int j = 0; j < n; ++j) {
+      const T* vp = vc + off[j];
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(S[r][j]);
+        for (int c = 0; c < C; ++c) A[r][c] = _mm512_fmadd_ps(w, v[c], A[r][c]);
+      }
+    }
+  }
+  T* out = static_cast<T*>(p.out);
+  alignas(64) float row[D];
+  for (int r = 0; r < R; ++r) {
+    const int i = it.q0 + r / G;
+    const int h = it.kvh * G + r % G;
+    T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
+    const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+    for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(A[r][c], inv));
+#pragma omp simd
+    for (int d = 0; d < D; ++d) from_f32(row[d], dst + d);
+  }
+}
+
+// The item on registers when its shape has a path here; false: the caller's
+// generic branch runs it.
+template <typename T, int D>
+bool attend_decode_fast(const AttnParams& p, const AttnItem& it) {
+  switch (p.num_heads / p.num_kv_heads * (it.q1 - it.q0)) {
+    case 1: attend_decode_avx512<T, D, 1>(p, it); return true;
+    case 2: attend_decode_avx512<T, D, 2>(p, it); return true;
+    case 3: attend_decode_avx512<T, D, 3>(p, it); return true;
+    case 4: attend_decode_avx512<T, D, 4>(p, it); return true;
+    case 5: attend_decode_avx512<T, D, 5>(p, it); return true;
+    case 6: attend_decode_avx512<T, D, 6>(p, it); return true;
+    case 7: attend_decode_avx512<T, D, 7>(p, it); return true;
+    case 8: attend_decode_avx512<T, D, 8>(p, it); return true;
+    default: return false;
+  }
+}
