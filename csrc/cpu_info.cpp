@@ -104,12 +104,23 @@ std::vector<int64_t> bind_openmp_threads(const std::vector<int>& cpus) {
   return bind_team(cpus);
 }
 
+std::vector<int64_t> team_thread_ids(int num_threads) {
+  if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+  py::gil_scoped_release release;
+  return team_tids(num_threads);
+}
+
 }  // namespace
 
 void bind_cpu_info(py::module_& m) {
   m.def("cpu_kernels_info", &cpu_kernels_info,
         "The instruction set the CPU model kernels run with, the OpenMP runtime (torch's) "
         "they split work on ('' = serial), and the CPU's AVX2 / AVX-512 / AMX features.");
+  m.def("team_thread_ids", &team_thread_ids, py::arg("num_threads"),
+        "The Linux thread id of each member of torch's OpenMP team of num_threads threads "
+        "(member 0 is the calling thread); -1 where unknown.");
+  m.def("team_starved", &team_starved,
+        "Whether a starved-team spell is running: the kernels run on the calling thread.");
   m.def("bind_openmp_threads", &bind_openmp_threads, py::arg("cpus"),
         "Bind thread i of torch's OpenMP team of len(cpus) threads to cpus[i]; returns each "
         "thread's tid (-1: not bound).");

@@ -19,6 +19,9 @@ void parallel_for(int64_t n, int num_threads, void (*fn)(void* ctx, int64_t i), 
 // its core) and ran the next calls serially.
 int64_t starved_team_spells();
 
+// Whether a starved-team spell is running (parallel_for runs on the calling thread).
+bool team_starved();
+
 // Path of the OpenMP runtime parallel_for uses, or "" when it runs serially.
 std::string openmp_runtime_path();
 
@@ -27,5 +30,8 @@ std::string openmp_runtime_path();
 // binding holds for torch's ops and our kernels once torch runs that many
 // threads). Returns each thread's Linux tid, -1 where binding failed.
 std::vector<int64_t> bind_team(const std::vector<int>& cpus);
+
+// The Linux thread id of each member of a team of num_threads (-1: unknown).
+std::vector<int64_t> team_tids(int num_threads);
 
 }  // namespace enginecore

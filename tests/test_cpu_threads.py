@@ -120,3 +120,111 @@ def test_vllm_cpu_kvcache_space_sizes_the_cache(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
         EngineCore(EngineArgs(model=model, dtype="float32", block_size=4,
                               max_model_len=64).create_engine_config())
+
+
+class FakeSchedstat:
+    """A clock and a runqueue-wait counter the test advances step by step."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.waited_ns = 0
+
+    def step(self, seconds: float, starved_share: float) -> None:
+        self.now += seconds
+        self.waited_ns += int(seconds * starved_share * 1e9)
+
+
+@pytest.fixture
+def governor(monkeypatch):
+    from enginecore.executor import cpu_threads
+
+    calls: list[int] = []
+    monkeypatch.setattr(cpu_threads.torch, "set_num_threads", calls.append)
+    fake = FakeSchedstat()
+    gov = cpu_threads.StarvationGovernor(2, wait_ns=lambda: fake.waited_ns,
+                                         clock=lambda: fake.now)
+    return gov, fake, calls
+
+
+def run_steps(gov, fake, n: int, share: float, seconds: float = 0.02) -> None:
+    for _ in range(n):
+        gov.before_step()
+        fake.step(seconds, share)
+
+
+def test_an_idle_team_is_left_alone(governor):
+    gov, fake, calls = governor
+    run_steps(gov, fake, 500, 0.01)
+    assert not gov.serial and gov.spells == 0 and calls == []
+
+
+def test_a_starved_team_runs_torch_on_one_thread_then_is_tried_again(governor):
+    gov, fake, calls = governor
+    run_steps(gov, fake, 1, 0.0)
+    run_steps(gov, fake, 3, 0.5)  # two judged steps over the threshold
+    assert gov.serial and calls == [1] and gov.spells == 1
+    # A lone bad step is not a spell; the spell lasts FIRST_SPELL_S, then torch gets
+    # its team back.
+    run_steps(gov, fake, int(gov.FIRST_SPELL_S / 0.02) + 1, 0.0)
+    assert not gov.serial and calls == [1, 2]
+    run_steps(gov, fake, 50, 0.01)
+    assert gov.spells == 1 and calls == [1, 2]
+
+
+def test_a_neighbour_that_stays_makes_spells_longer_up_to_a_cap(governor):
+    gov, fake, calls = governor
+    lengths = []
+    for _ in range(8):
+        run_steps(gov, fake, 1, 0.5)
+        while not gov.serial:
+            run_steps(gov, fake, 1, 0.5)
+        start = fake.now
+        while gov.serial:
+            run_steps(gov, fake, 1, 0.0)
+        lengths.append(round(fake.now - start, 1))
+    assert lengths[0] < lengths[1] < lengths[2]
+    assert max(lengths) <= gov.MAX_SPELL_S + 0.1 and lengths[-1] == lengths[-2]
+    assert calls == [1, 2] * 8
+    # Once the team holds for a while, the next spell is short again.
+    run_steps(gov, fake, int(2 * gov.RETRY_WINDOW_S / 0.02), 0.0)
+    run_steps(gov, fake, 3, 0.5)
+    assert gov._spell_s == gov.FIRST_SPELL_S
+
+
+def test_one_thread_has_nothing_to_govern(monkeypatch):
+    from enginecore.executor import cpu_threads
+
+    monkeypatch.setattr(cpu_threads.torch, "set_num_threads", pytest.fail)
+    gov = cpu_threads.StarvationGovernor(1)
+    gov.before_step()
+    assert not gov.serial
+
+
+GOVERN = r"""
+import os, sys, threading, torch
+from enginecore import _native
+from enginecore.executor.cpu_threads import StarvationGovernor, read_runqueue_wait_ns
+_native.set_native(sys.argv[1] == "native")
+torch.set_num_threads(2)
+torch.ones(1 << 20).sum()  # the team exists
+if _native.extension() is not None:
+    tids = _native.extension().team_thread_ids(2)
+    assert len(set(tids)) == 2 and tids[0] == threading.get_native_id(), tids
+gov = StarvationGovernor(2)
+for _ in range(3):
+    gov.before_step()
+assert gov._fds and not gov.serial
+assert read_runqueue_wait_ns(gov._fds) >= 0
+gov.close()
+print("ok")
+"""
+
+
+def test_the_governor_reads_the_teams_schedstat(hot_path):
+    """The real source: the team's thread ids (native) or every thread (twin), each
+    read through /proc/self/task/TID/schedstat."""
+    if not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"):
+        pytest.skip("no schedstat in /proc (kernel without CONFIG_SCHED_INFO)")
+    out = subprocess.run([sys.executable, "-c", GOVERN, hot_path], check=True,
+                         capture_output=True, text=True)
+    assert out.stdout.strip() == "ok"

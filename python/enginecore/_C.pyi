@@ -215,3 +215,12 @@ def greedy_argmax(logits: int, row_stride: int, rows: int, cols: int, out: int, 
                   num_threads: int) -> None:
     """out[r] (int64) = the first index of the maximum of logits row r, a NaN counting as
     the maximum (twin: ``model.kernel_twins.greedy_argmax_py``, torch.argmax)."""
+
+def team_thread_ids(num_threads: int) -> list[int]:
+    """The Linux thread id of each member of torch's OpenMP team of num_threads threads
+    (member 0 is the calling thread); -1 where unknown. No twin: the Python path's
+    ``StarvationGovernor`` reads every thread of the process."""
+
+def team_starved() -> bool:
+    """Whether a starved-team spell is running (the kernels run on the calling thread;
+    twin: always False, torch keeps its team)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -165,3 +166,125 @@ def describe() -> str:
     plan = _applied.get("plan")
     head = plan.why if isinstance(plan, ThreadPlan) else f"{torch.get_num_threads()} threads"
     return f"{head}; wait: {omp_env.describe_wait_policy()}"
+
+
+def read_runqueue_wait_ns(fds: list[int]) -> int:
+    """Sum of the nanoseconds these threads spent runnable but not running (field 2 of
+    Linux's /proc/self/task/TID/schedstat, read through open descriptors)."""
+    total = 0
+    for fd in fds:
+        try:
+            total += int(os.pread(fd, 64, 0).split()[1])
+        except (OSError, IndexError, ValueError):  # the thread ended: it waits no more
+            pass
+    return total
+
+
+class StarvationGovernor:
+    """torch's own ops on one thread while the compute team is starved.
+
+    With another process busy on one of the team's cores, the member there shares
+    its core with that process: every parallel region's join waits whole time slices
+    for it. Our kernels notice and run on the calling thread for a while
+    (csrc/cpu_threads.cpp), but most of a step is torch's GEMMs (oneDNN, MKL) on the
+    same team: on a 2-core AMD EPYC with one core busy the engine fell to 0.16x of its
+    idle decode rate, against 0.74x with one thread, which the kernel then places on
+    the free core (docs/benchmarks.md). The signal is the kernel's own: the time the
+    team's threads spent runnable but waiting for a CPU (schedstat), over the wall
+    time since the last step. Idle it is ~0; with a busy neighbour ~0.5. Two steps in
+    a row over ``THRESHOLD`` start a spell: torch gets one thread for ``FIRST_SPELL_S``
+    (doubled for each spell that starts within ``RETRY_WINDOW_S`` of the last one's
+    end, up to ``MAX_SPELL_S``), then its team back, and the next steps judge it again.
+
+    Called before each step on the thread that runs the model (torch's OpenMP thread
+    count is per thread). ``wait_ns`` / ``clock`` are injectable for tests; by default
+    the team's threads are read in /proc (the team from ``_C.team_thread_ids``; on the
+    pure-Python path every thread of the process, which only adds threads that sleep).
+    Without /proc schedstat (another OS, a kernel without CONFIG_SCHED_INFO) the
+    governor stays off.
+    """
+
+    THRESHOLD = 0.2
+    STRIKES = 2
+    FIRST_SPELL_S = 0.5
+    MAX_SPELL_S = 8.0
+    RETRY_WINDOW_S = 1.0
+
+    def __init__(self, num_threads: int, wait_ns=None, clock=time.monotonic) -> None:
+        self.num_threads = num_threads
+        self.clock = clock
+        self._wait_ns = wait_ns
+        self._fds: list[int] = []
+        self.serial = False
+        self.spells = 0
+        self._strikes = 0
+        self._spell_s = self.FIRST_SPELL_S
+        self._spell_end = 0.0
+        self._retried_at = -1e18
+        self._last: tuple[float, int] | None = None
+
+    def _open_team(self) -> bool:
+        ext = _native.extension()
+        if ext is not None:
+            tids = [t for t in ext.team_thread_ids(self.num_threads) if t > 0]
+        else:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        for tid in tids:
+            try:
+                self._fds.append(os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY))
+            except OSError:
+                pass
+        return bool(self._fds)
+
+    def _read(self) -> int:
+        if self._wait_ns is not None:
+            return self._wait_ns()
+        return read_runqueue_wait_ns(self._fds)
+
+    def before_step(self) -> None:
+        if self.num_threads <= 1:
+            return
+        if self._wait_ns is None and not self._fds and not self._open_team():
+            self.num_threads = 1  # nothing to read: stay off
+            return
+        now, waited = self.clock(), self._read()
+        last, self._last = self._last, (now, waited)
+        if self.serial:
+            if now >= self._spell_end:  # try the team again
+                self.serial = False
+                self._retried_at = now
+                self._last = None
+                torch.set_num_threads(self.num_threads)
+            return
+        if last is None or now <= last[0]:
+            return
+        share = (waited - last[1]) / 1e9 / (now - last[0])
+        self._strikes = self._strikes + 1 if share > self.THRESHOLD else 0
+        if self._strikes < self.STRIKES:
+            return
+        self._strikes = 0
+        self.serial = True
+        self.spells += 1
+        # Starved again right after a retry: the neighbour stays, retry less often.
+        quick = now - self._retried_at <= self.RETRY_WINDOW_S
+        self._spell_s = min(2 * self._spell_s, self.MAX_SPELL_S) if quick else self.FIRST_SPELL_S
+        self._spell_end = now + self._spell_s
+        torch.set_num_threads(1)
+        (logger.info if self.spells == 1 else logger.debug)(
+            "CPU threads: the compute team waited %.0f %% of the time for a CPU (another "
+            "process is busy on its cores): torch runs on one thread for %.1f s (spell %d)",
+            100 * share, self._spell_s, self.spells)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def starvation_governor() -> StarvationGovernor | None:
+    """The governor for this process's applied thread plan (None: no plan applied,
+    i.e. not a CPU engine, or a single compute thread)."""
+    plan = _applied.get("plan")
+    if not isinstance(plan, ThreadPlan) or plan.num_threads <= 1:
+        return None
+    return StarvationGovernor(plan.num_threads)

@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
-from enginecore.executor.cpu_threads import apply_thread_plan, plan_threads
+from enginecore.executor.cpu_threads import (
+    StarvationGovernor,
+    apply_thread_plan,
+    plan_threads,
+    starvation_governor,
+)
 from enginecore.executor.profiler import TorchProfiler
 from enginecore.protocol import LoRARequest
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -56,6 +61,8 @@ class UniProcExecutor(Executor):
                                            pc.data_parallel_rank_local % max(
                                                pc.data_parallel_size_local, 1),
                                            max(pc.data_parallel_size_local, 1)))
+        self._governor: StarvationGovernor | None = (
+            starvation_governor() if self.config.model_config.device == "cpu" else None)
         if self.config.model_config.task == "embed":
             from enginecore.model.pooling_runner import PoolingModelRunner
 
@@ -154,6 +161,8 @@ class UniProcExecutor(Executor):
         # request(s) that cause it (core/fault_isolation.py) and probes the device
         # with a dummy batch before it gives up.
         with self._lock:
+            if self._governor is not None:  # on the thread that runs the model
+                self._governor.before_step()
             output = self.runner.execute_model(scheduler_output)
         if output.kv_connector_output is not None:
             output.kv_connector_output = self.kv_output_aggregator.aggregate(
@@ -257,4 +266,6 @@ class UniProcExecutor(Executor):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        if self._governor is not None:
+            self._governor.close()
         self.runner.free_kv_cache()
