@@ -69,26 +69,40 @@ ECK_INLINE void prefetch_rows(const AttnParams& p, const int32_t* table, int64_t
   }
 }
 
+// Vectors of a row's accumulators one pass over a tile's V rows updates: as many as
+// keep R rows of them, the V row's slice and the weight in registers (16 + 4 + 1
+// of 32; at head_dim 128 a pass over all 8 vectors of 3+ rows spilled).
+constexpr int pv_vectors(int R, int C) {
+  int cc = 1;
+  while (cc * 2 <= C && R * cc * 2 <= 16) cc *= 2;
+  return cc;
+}
+
 // One work item with R = G * (q1 - q0) rows and head_dim D (a multiple of 16).
 template <typename T, int D, int R>
 void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
   constexpr int C = D / 16;  // vectors per row
+  constexpr int CC = pv_vectors(R, C);
   const int G = p.num_heads / p.num_kv_heads;
   const T* q = static_cast<const T*>(p.q);
   const int qstart = p.query_start[it.seq];
   const int qlen = p.query_start[it.seq + 1] - qstart;
   const int first_pos = p.seq_lens[it.seq] - qlen;
   const __m512 scale = _mm512_set1_ps(p.scale);
-  __m512 Q[R][C], A[R][C];
-  float m[R], l[R];
+  // Scaled queries and the accumulators, in L1: the scores read the queries as
+  // FMA operands, each V pass loads and stores a slice of the accumulators once
+  // per tile (rescaled by the row's softmax correction on the way in).
+  alignas(64) float Q[R][D];
+  alignas(64) float A[R][D];
+  float m[R], l[R], corr[R];
   int qpos[R];
   for (int r = 0; r < R; ++r) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     const T* src = q + static_cast<int64_t>(qstart + i) * p.q_st + static_cast<int64_t>(h) * p.q_sh;
     for (int c = 0; c < C; ++c) {
-      Q[r][c] = _mm512_mul_ps(load16(src + 16 * c), scale);
-      A[r][c] = _mm512_setzero_ps();
+      _mm512_store_ps(&Q[r][16 * c], _mm512_mul_ps(load16(src + 16 * c), scale));
+      _mm512_store_ps(&A[r][16 * c], _mm512_setzero_ps());
     }
     m[r] = -__builtin_inff();
     l[r] = 0.0f;
@@ -124,8 +138,8 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
         __m512 k[C];
         for (int c = 0; c < C; ++c) k[c] = load16(kc + off[j0 + jj] + 16 * c);
         for (int r = 0; r < R; ++r) {
-          __m512 s = _mm512_mul_ps(Q[r][0], k[0]);
-          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(Q[r][c], k[c], s);
+          __m512 s = _mm512_mul_ps(_mm512_load_ps(&Q[r][0]), k[0]);
+          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_load_ps(&Q[r][16 * c]), k[c], s);
           P[r][jj] = s;
         }
       }
@@ -134,10 +148,11 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
         _mm512_store_ps(&S[r][j0], hsum16(P[r]));
       }
     }
-    // Soft cap, masks, online softmax: attend_item's, with the rescale of the
-    // accumulators done in registers.
+    // Soft cap, masks, online softmax: attend_item's, with the accumulators'
+    // rescale left to the V pass.
     for (int r = 0; r < R; ++r) {
       float* sr = S[r];
+      corr[r] = 1.0f;
       if (p.soft_cap > 0.0f) {
         const float cap = p.soft_cap, inv = 1.0f / p.soft_cap;
 #pragma omp simd
@@ -160,41 +175,47 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
         continue;
       }
       const float m_new = mt > m[r] ? mt : m[r];
-      const float corr = fast_exp(m[r] - m_new);
+      corr[r] = fast_exp(m[r] - m_new);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < n; ++j) {
         sr[j] = fast_exp(sr[j] - m_new);
         sum += sr[j];
       }
-      if (corr != 1.0f) {
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int c = 0; c < C; ++c) A[r][c] = _mm512_mul_ps(A[r][c], cv);
-      }
-      l[r] = l[r] * corr + sum;
+      l[r] = l[r] * corr[r] + sum;
       m[r] = m_new;
     }
-    // Values: each V row widened once, added into every row's accumulators.
-    for (int j = 0; j < n; ++j) {
-      const T* vp = vc + off[j];
-      __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
+    // Values, CC vectors of every row's accumulators per pass: each V row's slice
+    // widened once, added into every row.
+    for (int c0 = 0; c0 < C; c0 += CC) {
+      __m512 acc[R][CC];
       for (int r = 0; r < R; ++r) {
-        const __m512 w = _mm512_set1_ps(S[r][j]);
-        for (int c = 0; c < C; ++c) A[r][c] = _mm512_fmadd_ps(w, v[c], A[r][c]);
+        const __m512 cv = _mm512_set1_ps(corr[r]);
+        for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(&A[r][16 * (c0 + c)]), cv);
+      }
+      for (int j = 0; j < n; ++j) {
+        const T* vp = vc + off[j] + 16 * c0;
+        __m512 v[CC];
+        for (int c = 0; c < CC; ++c) v[c] = load16(vp + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m512 w = _mm512_set1_ps(S[r][j]);
+          for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < CC; ++c) _mm512_store_ps(&A[r][16 * (c0 + c)], acc[r][c]);
       }
     }
   }
   T* out = static_cast<T*>(p.out);
-  alignas(64) float row[D];
   for (int r = 0; r < R; ++r) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
-    const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
-    for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(A[r][c], inv));
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    float* ar = A[r];
 #pragma omp simd
-    for (int d = 0; d < D; ++d) from_f32(row[d], dst + d);
+    for (int d = 0; d < D; ++d) from_f32(ar[d] * inv, dst + d);
   }
 }
 
