@@ -6,6 +6,7 @@ namespace py = pybind11;
 
 namespace enginecore {
 void bind_bf16_gemm(py::module_& m);
+void bind_bf16_gemv(py::module_& m);
 void bind_block_hash(py::module_& m);
 void bind_blocking_queue(py::module_& m);
 void bind_cpu_info(py::module_& m);
@@ -29,6 +30,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("version", [] { return std::string(ENGINECORE_VERSION); },
         "Version of the package the extension was built for.");
   enginecore::bind_bf16_gemm(m);
+  enginecore::bind_bf16_gemv(m);
   enginecore::bind_block_hash(m);
   enginecore::bind_blocking_queue(m);
   enginecore::bind_cpu_info(m);

@@ -187,3 +187,22 @@ def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out
     b = _view(bias, bf, (out_features,), (1,)) if bias else None
     xs = _view(x, bf, (rows, in_features), (x_stride, 1))
     _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_linear_torch(xs, w, b))
+
+
+def bf16_gemv_py(x: int, x_stride: int, rows: int, weight: int, bias: int, out: int,
+                 out_stride: int, in_features: int, out_features: int,
+                 num_threads: int) -> None:
+    """The twin of ``_C.bf16_gemv``: out = x W^T (+ bias) for 1-4 rows of bfloat16 x
+    and the plain [out_features, in_features] bfloat16 W, float32 inside, one
+    rounding to bfloat16."""
+    if rows < 1 or rows > 4 or in_features <= 0 or out_features <= 0:
+        raise ValueError("bf16_gemv: 1 <= rows <= 4, in_features > 0, out_features > 0")
+    if rows > 1 and (x_stride < in_features or out_stride < out_features):
+        raise ValueError("bf16_gemv: a row stride is shorter than its row")
+    if not (x and weight and out):
+        raise ValueError("bf16_gemv: null buffer")
+    bf = torch.bfloat16
+    w = _view(weight, bf, (out_features, in_features), (in_features, 1))
+    b = _view(bias, bf, (out_features,), (1,)) if bias else None
+    xs = _view(x, bf, (rows, in_features), (x_stride, 1))
+    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_linear_torch(xs, w, b))

@@ -16,8 +16,15 @@ registers, float32 FMA, one rounding to bf16 (``bf16_linear_torch`` is that
 arithmetic in torch; on the Python path the weight stays plain and ``F.linear``
 runs, the same float32-accumulated arithmetic).
 
-The plain weight is not kept: ``dense()`` gives it back (for saving, LoRA shapes,
-moving devices). Everything else (float32, where MKL's sgemm measured no steadier
+Decode-sized calls (at most ``GEMV_MAX_ROWS`` rows) on a CPU with AVX512_BF16 run
+``_C.bf16_gemv`` on the plain weight instead: one front-to-back stream of each weight
+row, which oneDNN's packed GEMM read at 40 % of the memory rate (docs/benchmarks.md).
+That needs the plain weight beside the packed one, so a model keeps both only while
+its projections total at most ``GEMV_COPY_LIMIT_BYTES`` (``ENGINECORE_BF16_GEMV=0``:
+never; ``=1``: whatever the size); a tied LM head's plain weight is the embedding.
+
+Otherwise the plain weight is not kept: ``dense()`` gives it back (for saving, LoRA
+shapes, moving devices). Everything else (float32, where MKL's sgemm measured no steadier
 gain from packing, float16, CUDA) calls ``F.linear`` on the plain weight.
 ``ENGINECORE_PACK_WEIGHTS=0`` keeps every weight plain (to measure the difference).
 """
@@ -34,6 +41,11 @@ from enginecore.model.cpu_flags import cpu_flags
 
 # Output features per panel of _C.bf16_linear's weight layout (csrc/bf16_gemm.cpp kNR).
 PANEL = 16
+# Rows up to which a call runs _C.bf16_gemv (csrc/bf16_gemv.cpp takes 1-4).
+GEMV_MAX_ROWS = 4
+# Projections up to this size keep their plain bf16 weight beside the packed one.
+GEMV_COPY_LIMIT_BYTES = 2 << 30
+GEMV_ENV = "ENGINECORE_BF16_GEMV"
 
 
 def cpu_packs_bf16() -> bool:
@@ -57,6 +69,20 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> str | None:
     if ext is not None and ext.cpu_kernels_info().get("bf16_linear") == "avx2":
         return "panels"
     return None
+
+
+def gemv_enabled(pack: str | None, weight_bytes: int) -> bool:
+    """Whether oneDNN-packed bf16 weights of a model whose projections total
+    ``weight_bytes`` also keep their plain copy for ``_C.bf16_gemv``."""
+    if pack != "onednn":
+        return False
+    flag = os.environ.get(GEMV_ENV, "auto").strip().lower()
+    if flag in ("0", "false", "no", "off"):
+        return False
+    ext = _native.extension()
+    if ext is None or not ext.bf16_gemv_available():
+        return False
+    return flag in ("1", "true", "yes", "on") or weight_bytes <= GEMV_COPY_LIMIT_BYTES
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -95,10 +121,10 @@ def bf16_linear_args(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor |
 class Linear:
     """y = x W^T (+ b) for x [tokens, in_features]."""
 
-    __slots__ = ("bias", "in_features", "kind", "out_features", "packed", "weight")
+    __slots__ = ("bias", "gemv", "in_features", "kind", "out_features", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 pack: str | bool | None = None) -> None:
+                 pack: str | bool | None = None, gemv: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.kind = "onednn" if pack is True else (pack or None)
@@ -121,7 +147,16 @@ class Linear:
                 self.bias = bias.contiguous()
         elif self.kind is not None:
             raise ValueError(f"unknown weight packing {pack!r}")
-        if self.packed is not None:
+        # Decode-sized calls on the plain weight (kept beside oneDNN's copy).
+        self.gemv = bool(gemv) and self.kind == "onednn" and weight.dtype == torch.bfloat16
+        if self.gemv and bias is not None:
+            if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (self.out_features,):
+                self.gemv = False
+            else:
+                self.bias = bias.contiguous()
+        if self.gemv:
+            self.weight = weight.contiguous()
+        if self.packed is not None and not self.gemv:
             self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,6 +169,10 @@ class Linear:
                              f"{self.in_features}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.gemv and 0 < x2.shape[0] <= GEMV_MAX_ROWS and x2.dtype == torch.bfloat16:
+            out = self._gemv(x2)
+            if out is not None:
+                return out if len(lead) == 1 else out.view(*lead, self.out_features)
         if self.kind == "panels":
             out = self._panels(x2)
         else:
@@ -155,21 +194,41 @@ class Linear:
         ext.bf16_linear(*bf16_linear_args(x, self.packed, self.bias, out))
         return out
 
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``_C.bf16_gemv`` on the plain weight; None: the packed path runs instead
+        (the native path was switched off after load)."""
+        ext = _native.extension()
+        if ext is None or x.device.type != "cpu":
+            return None
+        if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.in_features):
+            x = x.contiguous()
+        out = x.new_empty(x.shape[0], self.out_features)
+        assert self.weight is not None
+        ext.bf16_gemv(x.data_ptr(), x.stride(0), x.shape[0], self.weight.data_ptr(),
+                      0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+                      out.stride(0), self.in_features, self.out_features,
+                      torch.get_num_threads())
+        return out
+
     def dense(self) -> torch.Tensor:
         if self.kind == "panels":
             return unpack_panels(self.packed, self.out_features)
-        return self.weight if self.packed is None else self.packed.to_dense()
+        if self.weight is not None:
+            return self.weight
+        return self.packed.to_dense()
 
     def to(self, device: torch.device) -> Linear:
         """A plain copy on `device` (packing is for the CPU only)."""
         bias = None if self.bias is None else self.bias.to(device)
         dense = self.dense()
-        return Linear(dense.to(device), bias, packing_enabled(dense.dtype, device))
+        return Linear(dense.to(device), bias, packing_enabled(dense.dtype, device), self.gemv)
 
     def nbytes(self) -> int:
         """Bytes held: the weight as stored (panels with their padding) and the bias."""
         held = self.packed if self.packed is not None else self.weight
         # oneDNN's blocked tensor reports its logical shape; panels are counted padded
         n = held.numel() if self.kind == "panels" else self.out_features * self.in_features
+        if self.gemv:  # the plain copy beside the packed one
+            n += self.out_features * self.in_features
         return (n * held.element_size()
                 + (0 if self.bias is None else self.bias.numel() * self.bias.element_size()))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from enginecore.model.arch_config import LlamaArchConfig
 from enginecore.model.attention import AttentionMetadata, paged_attention
 from enginecore.model.fused_ops import add_rms_norm, rms_norm, silu_and_mul
-from enginecore.model.linear import Linear, packing_enabled
+from enginecore.model.linear import Linear, gemv_enabled, packing_enabled
 from enginecore.model.lora import LoRABatch
 from enginecore.model.moe import (
     PackedExperts,
@@ -69,6 +69,7 @@ class LlamaForCausalLM:
         self.lm_head_proj: Linear | None = None
         self.tied = cfg.tie_word_embeddings
         self.pack = packing_enabled(dtype, device)
+        self.gemv = False  # decided at load, by the projections' size (linear.py)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.scale
@@ -121,18 +122,20 @@ class LlamaForCausalLM:
                 raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
             self.lm_head = self.embed
         self.tied = self.lm_head is self.embed
-        self.lm_head_proj = Linear(self.lm_head, pack=self.pack)
+        self.gemv = gemv_enabled(self.pack, sum(t.numel() * t.element_size()
+                                                for part in parts for t in part.values()))
+        self.lm_head_proj = Linear(self.lm_head, pack=self.pack, gemv=self.gemv)
         if not self.tied:
             self.lm_head = None
         self.layers = [self._as_linears(self._build_layer(i, p)) for i, p in enumerate(parts)]
 
     def _as_linears(self, layer: LlamaLayer) -> LlamaLayer:
         """The layer's projections as ``Linear``s (packed for the CPU GEMM once, here)."""
-        layer.qkv_w = Linear(layer.qkv_w, layer.qkv_b, self.pack)
-        layer.o_w = Linear(layer.o_w, pack=self.pack)
+        layer.qkv_w = Linear(layer.qkv_w, layer.qkv_b, self.pack, self.gemv)
+        layer.o_w = Linear(layer.o_w, pack=self.pack, gemv=self.gemv)
         if layer.gate_up_w is not None:
-            layer.gate_up_w = Linear(layer.gate_up_w, pack=self.pack)
-            layer.down_w = Linear(layer.down_w, pack=self.pack)
+            layer.gate_up_w = Linear(layer.gate_up_w, pack=self.pack, gemv=self.gemv)
+            layer.down_w = Linear(layer.down_w, pack=self.pack, gemv=self.gemv)
         if layer.experts_gate_up_w is not None:
             layer.experts_gate_up_w = pack_experts(layer.experts_gate_up_w, self.pack)
             layer.experts_down_w = pack_experts(layer.experts_down_w, self.pack)
