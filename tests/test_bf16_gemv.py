@@ -83,7 +83,7 @@ def test_strided_rows_write_only_their_outputs():
 
 @pytest.mark.parametrize("path", BOTH)
 def test_bad_sizes_are_refused_alike(path):
-    x, w, b = _case(1, 8, 8, 0)
+    x, w, _ = _case(1, 8, 8, 0)
     out = torch.empty(5, 8, dtype=torch.bfloat16)
     fn = _fn(path)
     for rows, k, n in ((0, 8, 8), (5, 8, 8), (1, 0, 8), (1, 8, 0)):
