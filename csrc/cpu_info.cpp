@@ -30,6 +30,7 @@ namespace py = pybind11;
 namespace enginecore {
 
 const char* bf16_linear_isa();  // bf16_gemm.cpp
+bool bf16_gemv_available();     // bf16_gemv.cpp
 
 namespace {
 
@@ -85,6 +86,8 @@ py::dict cpu_kernels_info() {
   d["amx_permission"] = amx_permission();
   // The bf16 GEMM model/linear.py runs where oneDNN has no bf16 path.
   d["bf16_linear"] = bf16_linear_isa();
+  // The decode GEMV model/linear.py runs for 1-4 rows (bf16_gemv.cpp).
+  d["bf16_gemv"] = bf16_gemv_available() ? "avx512_bf16" : "none";
   // Decode attention (attention_decode_avx512.h) where the AVX-512 kernels run.
   d["attention_decode"] = std::strcmp(cpu_kernels().isa, "avx512") == 0
                               ? "avx512 registers (head_dim 64 / 128, up to 8 rows per KV head)"

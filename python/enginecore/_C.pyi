@@ -203,7 +203,7 @@ def cpu_kernels_info() -> dict[str, str | bool | int]:
     XSAVE state), ``amx_permission`` (Linux's arch_prctl: granted / not requested) and
     ``amx_kernels`` (none ship), ``bf16_linear`` (the ISA of bf16_linear's tiles: avx2 /
     portable), ``attention_decode`` (the decode attention's path: "avx512 registers" or
-    generic), ``starved_team_spells`` (times the team was found starved by another
+    generic), ``bf16_gemv`` (avx512_bf16 / none), ``starved_team_spells`` (times the team was found starved by another
     process on its cores and the next calls ran on one thread). Twin:
     ``model.kernel_twins.cpu_kernels_info_py``."""
 
@@ -224,3 +224,12 @@ def team_thread_ids(num_threads: int) -> list[int]:
 def team_starved() -> bool:
     """Whether a starved-team spell is running (the kernels run on the calling thread;
     twin: always False, torch keeps its team)."""
+
+def bf16_gemv(x: int, x_stride: int, rows: int, weight: int, bias: int, out: int,
+              out_stride: int, in_features: int, out_features: int, num_threads: int) -> None:
+    """out[rows, out_features] = x W^T (+ bias) for 1-4 rows, bfloat16 in and out, the
+    plain [out_features, in_features] weight read once, VDPBF16PS inside (bias 0: none;
+    raises RuntimeError without AVX512_BF16). Twin: ``model.kernel_twins.bf16_gemv_py``."""
+
+def bf16_gemv_available() -> bool:
+    """Whether this CPU runs ``bf16_gemv`` (AVX512_BF16). Twin: False."""

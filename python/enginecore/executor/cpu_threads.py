@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -149,6 +150,20 @@ def bind_openmp_threads_py(cpus: list[int]) -> list[int]:
         except OSError:  # the thread ended meanwhile
             pass
     return done
+
+
+def team_thread_ids_py(num_threads: int) -> list[int]:
+    """The twin of ``_C.team_thread_ids``: without the extension nothing runs on
+    torch's team members, so only the caller is known (member 0); -1 for the rest."""
+    if num_threads < 1:
+        raise ValueError("num_threads must be >= 1")
+    return [threading.get_native_id()] + [-1] * (num_threads - 1)
+
+
+def team_starved_py() -> bool:
+    """The twin of ``_C.team_starved``: the Python path's kernels are torch's own ops,
+    which keep their team."""
+    return False
 
 
 def apply_thread_plan(plan: ThreadPlan) -> None:

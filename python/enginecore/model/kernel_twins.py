@@ -163,6 +163,7 @@ def cpu_kernels_info_py() -> dict[str, str | bool | int]:
             "amx_permission": "not requested",
             "bf16_linear": "torch",
             "attention_decode": "torch",
+            "bf16_gemv": "torch",
             "amx_kernels": "none (the Python path runs torch's own ops)",
             "starved_team_spells": 0}
 
@@ -206,3 +207,9 @@ def bf16_gemv_py(x: int, x_stride: int, rows: int, weight: int, bias: int, out: 
     b = _view(bias, bf, (out_features,), (1,)) if bias else None
     xs = _view(x, bf, (rows, in_features), (x_stride, 1))
     _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_linear_torch(xs, w, b))
+
+
+def bf16_gemv_available_py() -> bool:
+    """The twin of ``_C.bf16_gemv_available``: the Python path keeps no plain copy and
+    runs oneDNN's packed GEMM for every call."""
+    return False
