@@ -203,8 +203,9 @@ def cpu_kernels_info() -> dict[str, str | bool | int]:
     XSAVE state), ``amx_permission`` (Linux's arch_prctl: granted / not requested) and
     ``amx_kernels`` (none ship), ``bf16_linear`` (the ISA of bf16_linear's tiles: avx2 /
     portable), ``attention_decode`` (the decode attention's path: "avx512 registers" or
-    generic), ``bf16_gemv`` (avx512_bf16 / none), ``starved_team_spells`` (times the team was found starved by another
-    process on its cores and the next calls ran on one thread). Twin:
+    generic), ``bf16_gemv`` (avx512_bf16 / none), ``starved_team_spells`` (times the
+    team was found starved by another process on its cores and the next calls ran on
+    one thread). Twin:
     ``model.kernel_twins.cpu_kernels_info_py``."""
 
 def bind_openmp_threads(cpus: list[int]) -> list[int]:
