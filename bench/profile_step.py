@@ -27,8 +27,8 @@ from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm",
             "mkldnn::_linear_pointwise", "aten::mkldnn_linear")
 NATIVE_KERNELS = ("paged_attention", "rms_norm", "rope", "silu_and_mul", "greedy_argmax")
-# Native GEMMs (bf16 weights on AVX2-only CPUs, model/linear.py) count as GEMMs.
-NATIVE_GEMMS = ("bf16_linear",)
+# Native GEMMs (bf16 weights on AVX2-only CPUs; the decode GEMV on AVX512_BF16) count as GEMMs.
+NATIVE_GEMMS = ("bf16_linear", "bf16_gemv")
 
 
 def cpu_header() -> str:
