@@ -191,3 +191,15 @@ def test_small_helpers_equal_their_twins():
     assert native_path is not None  # zmq is imported by this module
     assert os.path.realpath(libzmq_path_py()) == os.path.realpath(native_path)
 
+
+
+def test_public_cpu_kernels_info_follows_the_switch(hot_path):
+    """``enginecore.cpu_kernels_info()``: the extension's report, or the twin's."""
+    import enginecore
+
+    info = enginecore.cpu_kernels_info()
+    if hot_path == "python":
+        assert info == kernel_twins.cpu_kernels_info_py()
+    else:
+        assert info["isa"] == _native._ext.cpu_kernels_info()["isa"] != "torch"
+        assert info["attention_decode"] and info["bf16_gemv"] in ("avx512_bf16", "none")

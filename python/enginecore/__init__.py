@@ -7,7 +7,10 @@ from enginecore.omp_env import apply_default_wait_policy
 
 apply_default_wait_policy()
 
-from enginecore._native import native_available  # noqa: E402 - after the wait policy
+from enginecore._native import (  # noqa: E402 - after the wait policy
+    cpu_kernels_info,
+    native_available,
+)
 from enginecore.config import EngineArgs, EngineConfig  # noqa: E402
 from enginecore.core.engine_core import EngineCore  # noqa: E402
 from enginecore.errors import EngineDeadError, EngineGenerateError  # noqa: E402
@@ -62,5 +65,6 @@ __all__ = [
     "UtilityOutput",
     "UtilityResult",
     "block_hashes",
+    "cpu_kernels_info",
     "native_available",
 ]
