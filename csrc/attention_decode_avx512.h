@@ -198,6 +198,9 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
         __m512 v[CC];
         for (int c = 0; c < CC; ++c) v[c] = load16(vp + 16 * c);
         for (int r = 0; r < R; ++r) {
+          // A weight of 0 (a masked position, an exp that underflowed) adds nothing,
+          // even times a NaN or inf V row, as in attend_item.
+          if (S[r][j] == 0.0f) continue;
           const __m512 w = _mm512_set1_ps(S[r][j]);
           for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
         }

@@ -191,9 +191,37 @@ def test_a_neighbour_that_stays_makes_spells_longer_up_to_a_cap(governor):
     assert max(lengths) <= gov.MAX_SPELL_S + 0.1 and lengths[-1] == lengths[-2]
     assert calls == [1, 2] * 8
     # Once the team holds for a while, the next spell is short again.
-    run_steps(gov, fake, int(2 * gov.RETRY_WINDOW_S / 0.02), 0.0)
+    run_steps(gov, fake, 10, 0.0)
     run_steps(gov, fake, gov.STRIKES + 1, 0.5)
     assert gov.serial and gov._spell_s == gov.FIRST_SPELL_S
+
+
+@pytest.mark.parametrize("step_s", [0.02, 0.4, 1.5])
+def test_spells_grow_however_long_a_step_takes(governor, step_s):
+    """A neighbour that stays: the team spends little time starved, slow steps too."""
+    gov, fake, calls = governor
+    starved_s = serial_s = 0.0
+    for _ in range(4000):
+        serial = gov.serial
+        run_steps(gov, fake, 1, 0.0 if serial else 0.5, step_s)
+        if serial:
+            serial_s += step_s
+        else:
+            starved_s += step_s
+        if fake.now > 100.0 + 600 * step_s / 0.02 and gov._spell_s == gov.MAX_SPELL_S:
+            break
+    assert gov._spell_s == gov.MAX_SPELL_S
+    assert starved_s < serial_s
+
+
+def test_close_gives_torch_its_team_back(governor):
+    gov, fake, calls = governor
+    run_steps(gov, fake, gov.STRIKES + 2, 0.5)
+    assert gov.serial and calls == [1]
+    gov.close()
+    assert calls == [1, 2] and not gov.serial
+    run_steps(gov, fake, 20, 0.5)  # closed: nothing is read or set again
+    assert calls == [1, 2]
 
 
 def test_one_thread_has_nothing_to_govern(monkeypatch):

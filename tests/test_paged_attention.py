@@ -200,3 +200,27 @@ def test_decode_path_is_reported():
     expected = "generic" if info["isa"] != "avx512" else info["attention_decode"]
     assert info["attention_decode"] == expected
     assert info["attention_decode"].startswith("avx512") == (info["isa"] == "avx512")
+
+
+@pytest.mark.parametrize("head_dim,group,new_tokens", [(64, 1, 2), (128, 4, 2), (64, 2, 4),
+                                                       (80, 1, 2)])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_poisoned_v_row_outside_a_rows_window_leaves_that_row_alone(head_dim, group,
+                                                                      new_tokens, poison):
+    """A non-finite V at a cached position only the first new token sees (sliding
+    window): the later tokens' rows give what they gave on the clean cache, on the
+    register path (head_dim 64 / 128) as on the generic one (a weight of 0 adds
+    nothing, even times NaN)."""
+    rng = np.random.default_rng(head_dim + group + new_tokens)
+    context, window = 40, 8
+    q, kn, vn, kc, vc, meta, slots_of = make_case(
+        rng, torch.float32, group, 1, head_dim, 16, [(context, new_tokens)])
+    scale = head_dim ** -0.5
+    clean = paged_attention_native(_native._ext, q, kn, vn, kc, vc, meta, scale, window)
+    clean = clean.view(new_tokens, group, head_dim)
+    first_only = context + new_tokens - new_tokens - window + 1  # only token 0 sees it
+    vc[slots_of[0][first_only], 0, :] = poison
+    got = paged_attention_native(_native._ext, q, None, None, kc, vc, meta, scale, window)
+    got = got.view(new_tokens, group, head_dim)
+    assert torch.equal(got[1:], clean[1:])
+    assert not torch.isfinite(got[0]).all()  # the token that sees it does

@@ -212,8 +212,9 @@ class StarvationGovernor:
     with our own API server beside the engine at concurrency 32, p50 0.15, p90 0.28,
     a load where the team still beats one thread (docs/benchmarks.md). Three steps in
     a row over ``THRESHOLD`` start a spell: torch gets one thread for ``FIRST_SPELL_S``
-    (doubled for each spell that starts within ``RETRY_WINDOW_S`` of the last one's
-    end, up to ``MAX_SPELL_S``), then its team back, and the next steps judge it again.
+    (doubled for each spell that starts as soon as the strikes allow after the last
+    one's end, i.e. within ``STRIKES + 1`` judged steps, up to ``MAX_SPELL_S``;
+    counted in steps, so slow steps still back off), then its team back, and the next steps judge it again.
 
     Called before each step on the thread that runs the model (torch's OpenMP thread
     count is per thread). ``wait_ns`` / ``clock`` are injectable for tests; by default
@@ -227,7 +228,6 @@ class StarvationGovernor:
     STRIKES = 3
     FIRST_SPELL_S = 0.5
     MAX_SPELL_S = 8.0
-    RETRY_WINDOW_S = 1.0
 
     def __init__(self, num_threads: int, wait_ns=None, clock=time.monotonic) -> None:
         self.num_threads = num_threads
@@ -239,7 +239,7 @@ class StarvationGovernor:
         self._strikes = 0
         self._spell_s = self.FIRST_SPELL_S
         self._spell_end = 0.0
-        self._retried_at = -1e18
+        self._judged_since_retry = 1 << 30
         self._last: tuple[float, int] | None = None
 
     def _open_team(self) -> bool:
@@ -271,13 +271,14 @@ class StarvationGovernor:
         if self.serial:
             if now >= self._spell_end:  # try the team again
                 self.serial = False
-                self._retried_at = now
+                self._judged_since_retry = 0
                 self._last = None
                 torch.set_num_threads(self.num_threads)
             return
         if last is None or now <= last[0]:
             return
         share = (waited - last[1]) / 1e9 / (now - last[0])
+        self._judged_since_retry += 1
         self._strikes = self._strikes + 1 if share > self.THRESHOLD else 0
         if self._strikes < self.STRIKES:
             return
@@ -285,7 +286,7 @@ class StarvationGovernor:
         self.serial = True
         self.spells += 1
         # Starved again right after a retry: the neighbour stays, retry less often.
-        quick = now - self._retried_at <= self.RETRY_WINDOW_S
+        quick = self._judged_since_retry <= self.STRIKES + 1
         self._spell_s = min(2 * self._spell_s, self.MAX_SPELL_S) if quick else self.FIRST_SPELL_S
         self._spell_end = now + self._spell_s
         torch.set_num_threads(1)
@@ -296,9 +297,15 @@ class StarvationGovernor:
             100 * share, self._spell_s, self.spells)
 
     def close(self) -> None:
+        """Stop: torch gets its team back (set_num_threads is also the default of
+        threads started later), the descriptors are closed, nothing is read again."""
+        if self.serial:
+            self.serial = False
+            torch.set_num_threads(self.num_threads)
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
+        self.num_threads = 1  # before_step is a no-op from now on
 
 
 def starvation_governor() -> StarvationGovernor | None:
