@@ -199,7 +199,7 @@ def test_a_neighbour_that_stays_makes_spells_longer_up_to_a_cap(governor):
 @pytest.mark.parametrize("step_s", [0.02, 0.4, 1.5])
 def test_spells_grow_however_long_a_step_takes(governor, step_s):
     """A neighbour that stays: the team spends little time starved, slow steps too."""
-    gov, fake, calls = governor
+    gov, fake, _ = governor
     starved_s = serial_s = 0.0
     for _ in range(4000):
         serial = gov.serial

@@ -214,7 +214,8 @@ class StarvationGovernor:
     a row over ``THRESHOLD`` start a spell: torch gets one thread for ``FIRST_SPELL_S``
     (doubled for each spell that starts as soon as the strikes allow after the last
     one's end, i.e. within ``STRIKES + 1`` judged steps, up to ``MAX_SPELL_S``;
-    counted in steps, so slow steps still back off), then its team back, and the next steps judge it again.
+    counted in steps, so slow steps still back off), then its team back, and the next
+    steps judge it again.
 
     Called before each step on the thread that runs the model (torch's OpenMP thread
     count is per thread). ``wait_ns`` / ``clock`` are injectable for tests; by default
