@@ -7,10 +7,7 @@ from enginecore.omp_env import apply_default_wait_policy
 
 apply_default_wait_policy()
 
-from enginecore._native import (  # noqa: E402 - after the wait policy
-    cpu_kernels_info,
-    native_available,
-)
+from enginecore._native import native_available  # noqa: E402 - after the wait policy
 from enginecore.config import EngineArgs, EngineConfig  # noqa: E402
 from enginecore.core.engine_core import EngineCore  # noqa: E402
 from enginecore.errors import EngineDeadError, EngineGenerateError  # noqa: E402
@@ -32,8 +29,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``LLM`` and ``AsyncLLM`` load on first use: engine processes import this
-    package too and need none of the front-end."""
+    """``LLM``, ``AsyncLLM`` and ``cpu_kernels_info`` load on first use: engine
+    processes import this package too and need none of the front-end."""
     if name == "LLM":
         from enginecore.entrypoints.llm import LLM
 
@@ -42,6 +39,10 @@ def __getattr__(name: str):
         from enginecore.frontend.async_llm import AsyncLLM
 
         return AsyncLLM
+    if name == "cpu_kernels_info":  # imports torch: not before the wait policy's users need it
+        from enginecore.model.kernel_twins import cpu_kernels_info
+
+        return cpu_kernels_info
     raise AttributeError(f"module 'enginecore' has no attribute {name!r}")
 
 

@@ -47,18 +47,6 @@ def native_available() -> bool:
     return extension() is not None
 
 
-def cpu_kernels_info() -> dict[str, str | bool | int]:
-    """What the CPU model kernels run with: the instruction set picked, the decode
-    attention path, the bf16 GEMM / GEMV, the OpenMP runtime, the CPU's AVX-512 / AMX
-    features (``_C.cpu_kernels_info``; on the Python path its twin)."""
-    ext = extension()
-    if ext is not None:
-        return dict(ext.cpu_kernels_info())
-    from enginecore.model.kernel_twins import cpu_kernels_info_py
-
-    return cpu_kernels_info_py()
-
-
 def twin(name: str, python: T) -> T:
     """``_C.name`` when the native path is on, else its Python twin ``python`` (by the
     twin rule, ``name_py``): how a room picks its twin without this module knowing

@@ -18,6 +18,7 @@ import ctypes
 
 import torch
 
+from enginecore import _native
 from enginecore.loaded_libraries import loaded_library_path
 from enginecore.model.cpu_flags import cpu_flags
 from enginecore.model.fused_ops import rms_norm_torch, silu_and_mul_torch
@@ -166,6 +167,15 @@ def cpu_kernels_info_py() -> dict[str, str | bool | int]:
             "bf16_gemv": "torch",
             "amx_kernels": "none (the Python path runs torch's own ops)",
             "starved_team_spells": 0}
+
+
+def cpu_kernels_info() -> dict[str, str | bool | int]:
+    """What the CPU model kernels run with (``enginecore.cpu_kernels_info``): the
+    instruction set picked, the decode attention path, the bf16 GEMM / GEMV, the
+    OpenMP runtime, the CPU's AVX-512 / AMX features; ``_C.cpu_kernels_info``, or on
+    the Python path its twin."""
+    ext = _native.extension()
+    return dict(ext.cpu_kernels_info()) if ext is not None else cpu_kernels_info_py()
 
 
 def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out: int,
