@@ -23,29 +23,7 @@ ECK_INLINE __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Lane j of the result = the sum of v[j]'s 16 lanes: pairs of vectors interleaved
-// and added (each 128-bit block then holds partial sums of two, then four vectors),
-// then the four blocks folded: 45 instructions for 16 sums instead of 16 trees.
-ECK_INLINE __m512 hsum16(const __m512* v) {
-  __m512 w[8];
-  for (int i = 0; i < 8; ++i) {
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  __m512 x[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // x[i]'s block k: the block-k partial sums of v[4i .. 4i+3].
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#include "hsum16_avx512.h"
 
 // The K and V rows of positions [t0, min(t0 + kTile - 1, hi)] asked into L2. The rows
 // are scattered over the cache (a 64- or 128-value row per block position and
@@ -148,43 +126,9 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
         _mm512_store_ps(&S[r][j0], hsum16(P[r]));
       }
     }
-    // Soft cap, masks, online softmax: attend_item's, with the accumulators'
-    // rescale left to the V pass.
-    for (int r = 0; r < R; ++r) {
-      float* sr = S[r];
-      corr[r] = 1.0f;
-      if (p.soft_cap > 0.0f) {
-        const float cap = p.soft_cap, inv = 1.0f / p.soft_cap;
-#pragma omp simd
-        for (int j = 0; j < n; ++j) sr[j] = cap * fast_tanh(sr[j] * inv);
-      }
-      const int qp = qpos[r];
-      const int win = p.sliding_window;
-      if (t0 + n - 1 > qp || (win > 0 && qp - t0 >= win)) {
-        for (int j = 0; j < n; ++j) {
-          const int t = t0 + j;
-          const bool ok = t <= qp && (win <= 0 || qp - t < win);
-          sr[j] = ok ? sr[j] : -__builtin_inff();
-        }
-      }
-      float mt = -__builtin_inff();
-#pragma omp simd reduction(max : mt)
-      for (int j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
-      if (mt == -__builtin_inff()) {  // nothing visible in this tile: weights 0
-        for (int j = 0; j < n; ++j) sr[j] = 0.0f;
-        continue;
-      }
-      const float m_new = mt > m[r] ? mt : m[r];
-      corr[r] = fast_exp(m[r] - m_new);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < n; ++j) {
-        sr[j] = fast_exp(sr[j] - m_new);
-        sum += sr[j];
-      }
-      l[r] = l[r] * corr[r] + sum;
-      m[r] = m_new;
-    }
+    // Soft cap, masks, online softmax (attend_item's); the accumulators' rescale is
+    // left to the V pass.
+    for (int r = 0; r < R; ++r) corr[r] = softmax_tile_row(p, S[r], n, t0, qpos[r], m[r], l[r]);
     // Values, CC vectors of every row's accumulators per pass: each V row's slice
     // widened once, added into every row.
     for (int c0 = 0; c0 < C; c0 += CC) {

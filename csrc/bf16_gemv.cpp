@@ -52,25 +52,7 @@ struct GemvJob {
 #ifdef ENGINECORE_GEMV
 #define GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-GEMV_TARGET inline __m512 hsum16(const __m512* v) {
-  __m512 w[8];
-  for (int i = 0; i < 8; ++i) {
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  __m512 x[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#include "hsum16_avx512.h"
 
 template <int M>
 GEMV_TARGET void gemv_item(const GemvJob& j, int64_t item) {

@@ -69,6 +69,48 @@ ECK_INLINE float fast_tanh(float x) {
 }
 
 // -- paged attention -------------------------------------------------------------------
+// One row's scores of one tile (positions t0 .. t0 + n - 1; the row's own position
+// qp): soft cap, causal / window mask, then the online softmax: the scores become
+// weights against the running max m (updated with the running sum l). Returns the
+// factor what the row accumulated before must be scaled by (1 when the max stayed,
+// and when nothing in the tile is visible: weights 0, m and l untouched).
+ECK_INLINE float softmax_tile_row(const AttnParams& p, float* sr, int n, int t0, int qp,
+                                  float& m, float& l) {
+  if (p.soft_cap > 0.0f) {
+    const float cap = p.soft_cap, inv = 1.0f / p.soft_cap;
+#pragma omp simd
+    for (int j = 0; j < n; ++j) sr[j] = cap * fast_tanh(sr[j] * inv);
+  }
+  const int win = p.sliding_window;
+  // Mask only tiles that reach past the row's position or out of its window
+  // (a decode row never does: its position is the last one).
+  if (t0 + n - 1 > qp || (win > 0 && qp - t0 >= win)) {
+    for (int j = 0; j < n; ++j) {
+      const int t = t0 + j;
+      const bool ok = t <= qp && (win <= 0 || qp - t < win);
+      sr[j] = ok ? sr[j] : -__builtin_inff();
+    }
+  }
+  float mt = -__builtin_inff();
+#pragma omp simd reduction(max : mt)
+  for (int j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
+  if (mt == -__builtin_inff()) {  // nothing visible in this tile: weights 0
+    for (int j = 0; j < n; ++j) sr[j] = 0.0f;
+    return 1.0f;
+  }
+  const float m_new = mt > m ? mt : m;
+  const float corr = fast_exp(m - m_new);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; ++j) {
+    sr[j] = fast_exp(sr[j] - m_new);
+    sum += sr[j];
+  }
+  l = l * corr + sum;
+  m = m_new;
+  return corr;
+}
+
 // One work item: the query tokens [q0, q1) of sequence `seq` (rows: each token's
 // G query heads of KV head `kvh`) against that sequence's cached context, read
 // in place through its block table; online softmax over tiles of positions.
@@ -172,45 +214,12 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
     // Soft cap, masks, online softmax: per row, rescale what was accumulated
     // when the max grows, then turn the tile's scores into weights.
     for (int r = 0; r < R; ++r) {
-      float* sr = S + r * kTile;
-      if (p.soft_cap > 0.0f) {
-        const float cap = p.soft_cap, inv = 1.0f / p.soft_cap;
-#pragma omp simd
-        for (int j = 0; j < n; ++j) sr[j] = cap * fast_tanh(sr[j] * inv);
-      }
-      const int qp = qpos[r];
-      const int win = p.sliding_window;
-      // Mask only tiles that reach past the row's position or out of its window
-      // (a decode row never does: its position is the last one).
-      if (t0 + n - 1 > qp || (win > 0 && qp - t0 >= win)) {
-        for (int j = 0; j < n; ++j) {
-          const int t = t0 + j;
-          const bool ok = t <= qp && (win <= 0 || qp - t < win);
-          sr[j] = ok ? sr[j] : -__builtin_inff();
-        }
-      }
-      float mt = -__builtin_inff();
-#pragma omp simd reduction(max : mt)
-      for (int j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
-      if (mt == -__builtin_inff()) {  // nothing visible in this tile: weights 0
-        for (int j = 0; j < n; ++j) sr[j] = 0.0f;
-        continue;
-      }
-      const float m_new = mt > m[r] ? mt : m[r];
-      const float corr = fast_exp(m[r] - m_new);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < n; ++j) {
-        sr[j] = fast_exp(sr[j] - m_new);
-        sum += sr[j];
-      }
+      const float corr = softmax_tile_row(p, S + r * kTile, n, t0, qpos[r], m[r], l[r]);
       if (corr != 1.0f) {
         float* ar = acc + r * D;
 #pragma omp simd
         for (int d = 0; d < D; ++d) ar[d] *= corr;
       }
-      l[r] = l[r] * corr + sum;
-      m[r] = m_new;
     }
     // Values: each V row converted once (into the K tile's buffer, now free),
     // added into every row that sees it.
