@@ -63,9 +63,7 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
   constexpr int CC = pv_vectors(R, C);
   const int G = p.num_heads / p.num_kv_heads;
   const T* q = static_cast<const T*>(p.q);
-  const int qstart = p.query_start[it.seq];
-  const int qlen = p.query_start[it.seq + 1] - qstart;
-  const int first_pos = p.seq_lens[it.seq] - qlen;
+  const auto [qstart, first_pos, lo, hi] = item_span(p, it);
   const __m512 scale = _mm512_set1_ps(p.scale);
   // Scaled queries and the accumulators, in L1: the scores read the queries as
   // FMA operands, each V pass loads and stores a slice of the accumulators once
@@ -85,12 +83,6 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
     m[r] = -__builtin_inff();
     l[r] = 0.0f;
     qpos[r] = first_pos + i;
-  }
-  const int hi = first_pos + it.q1 - 1;  // the last position any row may see
-  int lo = 0;
-  if (p.sliding_window > 0) {
-    lo = first_pos + it.q0 - p.sliding_window + 1;
-    if (lo < 0) lo = 0;
   }
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);

@@ -132,7 +132,7 @@ void bf16_gemv(uintptr_t x, int64_t x_stride, int64_t rows, uintptr_t weight, ui
   if (rows < 1 || rows > kMaxRows || in_features <= 0 || out_features <= 0) {
     throw std::invalid_argument("bf16_gemv: 1 <= rows <= 4, in_features > 0, out_features > 0");
   }
-  if ((rows > 1 && x_stride < in_features) || (rows > 1 && out_stride < out_features)) {
+  if (rows > 1 && (x_stride < in_features || out_stride < out_features)) {
     throw std::invalid_argument("bf16_gemv: a row stride is shorter than its row");
   }
   if (x == 0 || weight == 0 || out == 0) throw std::invalid_argument("bf16_gemv: null buffer");

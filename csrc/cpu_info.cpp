@@ -122,8 +122,6 @@ void bind_cpu_info(py::module_& m) {
   m.def("team_thread_ids", &team_thread_ids, py::arg("num_threads"),
         "The Linux thread id of each member of torch's OpenMP team of num_threads threads "
         "(member 0 is the calling thread); -1 where unknown.");
-  m.def("team_starved", &team_starved,
-        "Whether a starved-team spell is running: the kernels run on the calling thread.");
   m.def("bind_openmp_threads", &bind_openmp_threads, py::arg("cpus"),
         "Bind thread i of torch's OpenMP team of len(cpus) threads to cpus[i]; returns each "
         "thread's tid (-1: not bound).");

@@ -69,6 +69,23 @@ ECK_INLINE float fast_tanh(float x) {
 }
 
 // -- paged attention -------------------------------------------------------------------
+// Where one work item sits: its sequence's first query token in q / out (qstart),
+// the position of that sequence's first query token (first_pos), and the positions
+// [lo, hi] its rows may see (hi: its last token's; lo: 0, or the window's start).
+struct ItemSpan {
+  int qstart, first_pos, lo, hi;
+};
+ECK_INLINE ItemSpan item_span(const AttnParams& p, const AttnItem& it) {
+  const int qstart = p.query_start[it.seq];
+  const int first_pos = p.seq_lens[it.seq] - (p.query_start[it.seq + 1] - qstart);
+  int lo = 0;
+  if (p.sliding_window > 0) {
+    lo = first_pos + it.q0 - p.sliding_window + 1;
+    if (lo < 0) lo = 0;
+  }
+  return {qstart, first_pos, lo, first_pos + it.q1 - 1};
+}
+
 // One row's scores of one tile (positions t0 .. t0 + n - 1; the row's own position
 // qp): soft cap, causal / window mask, then the online softmax: the scores become
 // weights against the running max m (updated with the running sum l). Returns the
@@ -129,9 +146,7 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
   int* qpos = reinterpret_cast<int*>(kf + kTile * D);  // [R]
 
   const T* q = static_cast<const T*>(p.q);
-  const int qstart = p.query_start[it.seq];
-  const int qlen = p.query_start[it.seq + 1] - qstart;
-  const int first_pos = p.seq_lens[it.seq] - qlen;
+  const auto [qstart, first_pos, lo, hi] = item_span(p, it);
   for (int r = 0; r < R; ++r) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
@@ -144,12 +159,6 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
     m[r] = -__builtin_inff();
     l[r] = 0.0f;
     qpos[r] = first_pos + i;
-  }
-  const int hi = first_pos + it.q1 - 1;  // the last position any row may see
-  int lo = 0;
-  if (p.sliding_window > 0) {
-    lo = first_pos + it.q0 - p.sliding_window + 1;
-    if (lo < 0) lo = 0;
   }
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);

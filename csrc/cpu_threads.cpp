@@ -90,47 +90,25 @@ void run_team_member(void* data) {
 // item it was preempted in). Measured on a 2-core EPYC with one core busy:
 // 0.21x of the idle decode rate with two threads (docs/benchmarks.md). So a
 // region whose wait at the end is longer than its work (and over 50 us) is a
-// strike; three in a row start a spell: the next calls (kRunsSerial, doubled for
-// each spell that starts within a second of the last one's end, up to 32x) run
-// on the calling thread only, then the team is tried again. Every call counts
-// down the spell, the ones asked to run on one thread included (torch's own ops
-// have a governor of their own, executor/cpu_threads.py StarvationGovernor, which
-// may have set one thread meanwhile). Items give the same bits on any thread,
+// strike; three in a row run the next kRunsSerial calls on the calling thread
+// only, then the team is tried again. Items give the same bits on any thread,
 // so results do not change; on an idle machine the members finish within an
 // item of each other and no region strikes.
 constexpr int kStrikesToSerial = 3;
 constexpr int64_t kRunsSerial = 1000;
-constexpr int kMaxBackoff = 5;
-constexpr int64_t kBackoffWindowNs = 1'000'000'000;
 constexpr int64_t kMinWaitNs = 50'000;
 std::atomic<int> g_strikes{0};
 std::atomic<int64_t> g_serial_left{0};
 std::atomic<int64_t> g_serial_spells{0};
-std::atomic<int> g_backoff{0};
-std::atomic<int64_t> g_spell_end_ns{0};
 
-// Counts one call off the spell; true while it lasts.
-bool spell_call() {
+bool team_starved() {
   int64_t left = g_serial_left.load(std::memory_order_relaxed);
   while (left > 0) {
     if (g_serial_left.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
-      if (left == 1) g_spell_end_ns.store(now_ns(), std::memory_order_relaxed);
       return true;
     }
   }
   return false;
-}
-
-void start_spell() {
-  const int64_t ended = g_spell_end_ns.load(std::memory_order_relaxed);
-  int backoff = 0;
-  if (ended != 0 && now_ns() - ended < kBackoffWindowNs) {
-    backoff = g_backoff.load(std::memory_order_relaxed) + 1;
-    if (backoff > kMaxBackoff) backoff = kMaxBackoff;
-  }
-  g_backoff.store(backoff, std::memory_order_relaxed);
-  g_serial_left.store(kRunsSerial << backoff, std::memory_order_relaxed);
-  g_serial_spells.fetch_add(1, std::memory_order_relaxed);
 }
 
 void judge_team(int64_t start, int64_t first_done, int64_t end) {
@@ -141,7 +119,8 @@ void judge_team(int64_t start, int64_t first_done, int64_t end) {
   }
   if (g_strikes.fetch_add(1, std::memory_order_relaxed) + 1 >= kStrikesToSerial) {
     g_strikes.store(0, std::memory_order_relaxed);
-    start_spell();
+    g_serial_left.store(kRunsSerial, std::memory_order_relaxed);
+    g_serial_spells.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -150,8 +129,7 @@ void judge_team(int64_t start, int64_t first_done, int64_t end) {
 void parallel_for(int64_t n, int num_threads, void (*fn)(void*, int64_t), void* ctx) {
   if (n <= 0) return;
   const OpenMP& omp = openmp();
-  const bool spell = spell_call();
-  if (spell || num_threads <= 1 || n == 1 || omp.parallel == nullptr) {
+  if (num_threads <= 1 || n == 1 || omp.parallel == nullptr || team_starved()) {
     for (int64_t i = 0; i < n; ++i) fn(ctx, i);
     return;
   }
@@ -163,8 +141,6 @@ void parallel_for(int64_t n, int num_threads, void (*fn)(void*, int64_t), void* 
 }
 
 int64_t starved_team_spells() { return g_serial_spells.load(std::memory_order_relaxed); }
-
-bool team_starved() { return g_serial_left.load(std::memory_order_relaxed) > 0; }
 
 std::string openmp_runtime_path() { return openmp().path; }
 

@@ -19,9 +19,6 @@ void parallel_for(int64_t n, int num_threads, void (*fn)(void* ctx, int64_t i), 
 // its core) and ran the next calls serially.
 int64_t starved_team_spells();
 
-// Whether a starved-team spell is running (parallel_for runs on the calling thread).
-bool team_starved();
-
 // Path of the OpenMP runtime parallel_for uses, or "" when it runs serially.
 std::string openmp_runtime_path();
 

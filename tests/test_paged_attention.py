@@ -82,6 +82,18 @@ def reference(q, k_cache, v_cache, meta, slots_of, scale, window, cap):
     return out
 
 
+def assert_native_matches(native, twin, ref):
+    """Native = twin = float64 reference within the float tolerances of the dtype."""
+    if native.dtype == torch.float32:
+        torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(native, twin, atol=3e-5, rtol=1e-5)
+    else:
+        # bf16 output: one rounding (2^-8 relative) on top of fp32 accumulation; the
+        # twin also rounds its scores and probabilities to bf16 before the matmuls.
+        torch.testing.assert_close(native.double(), ref, atol=1.6e-2, rtol=8e-3)
+        torch.testing.assert_close(native.float(), twin.float(), atol=6e-2, rtol=3e-2)
+
+
 shapes = st.fixed_dictionaries({
     "dtype": st.sampled_from([torch.float32, torch.bfloat16]),
     "kv_heads": st.integers(1, 3),
@@ -112,14 +124,7 @@ def test_native_matches_twin_and_reference(case):
     # Both wrote the same new K/V into the same slots.
     assert torch.equal(kc, kc_twin) and torch.equal(vc, vc_twin)
     ref = reference(q, kc, vc, meta, slots_of, scale, w, cap).view(native.shape)
-    if case["dtype"] == torch.float32:
-        torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(native, twin, atol=3e-5, rtol=1e-5)
-    else:
-        # bf16 output: one rounding (2^-8 relative) on top of fp32 accumulation; the
-        # twin also rounds its scores and probabilities to bf16 before the matmuls.
-        torch.testing.assert_close(native.double(), ref, atol=1.6e-2, rtol=8e-3)
-        torch.testing.assert_close(native.float(), twin.float(), atol=6e-2, rtol=3e-2)
+    assert_native_matches(native, twin, ref)
 
 
 def test_poisoned_cache_outside_the_context_is_never_read():
@@ -185,12 +190,7 @@ def test_decode_rows_on_every_path(dtype, head_dim, group, new_tokens, window, c
     twin = paged_attention_torch(q, kn, vn, kc_twin, vc_twin, meta, scale, window, cap)
     native = paged_attention_native(_native._ext, q, kn, vn, kc, vc, meta, scale, window, cap)
     ref = reference(q, kc, vc, meta, slots_of, scale, window, cap).view(native.shape)
-    if dtype == torch.float32:
-        torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(native, twin, atol=3e-5, rtol=1e-5)
-    else:
-        torch.testing.assert_close(native.double(), ref, atol=1.6e-2, rtol=8e-3)
-        torch.testing.assert_close(native.float(), twin.float(), atol=6e-2, rtol=3e-2)
+    assert_native_matches(native, twin, ref)
 
 
 def test_decode_path_is_reported():

@@ -222,10 +222,6 @@ def team_thread_ids(num_threads: int) -> list[int]:
     (member 0 is the calling thread); -1 where unknown. No twin: the Python path's
     ``StarvationGovernor`` reads every thread of the process."""
 
-def team_starved() -> bool:
-    """Whether a starved-team spell is running (the kernels run on the calling thread;
-    twin: always False, torch keeps its team)."""
-
 def bf16_gemv(x: int, x_stride: int, rows: int, weight: int, bias: int, out: int,
               out_stride: int, in_features: int, out_features: int, num_threads: int) -> None:
     """out[rows, out_features] = x W^T (+ bias) for 1-4 rows, bfloat16 in and out, the

@@ -160,12 +160,6 @@ def team_thread_ids_py(num_threads: int) -> list[int]:
     return [threading.get_native_id()] + [-1] * (num_threads - 1)
 
 
-def team_starved_py() -> bool:
-    """The twin of ``_C.team_starved``: the Python path's kernels are torch's own ops,
-    which keep their team."""
-    return False
-
-
 def apply_thread_plan(plan: ThreadPlan) -> None:
     """Set torch's intra-op thread count, then bind its team as planned."""
     torch.set_num_threads(plan.num_threads)
