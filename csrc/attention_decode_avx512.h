@@ -1,29 +1,42 @@
 // Decode attention on AVX-512 registers <-> attend_item (cpu_kernels_impl.h), whose
-// few-rows branch it replaces where it applies; the torch twin is unchanged
-// (python/enginecore/model/attention.py paged_attention_torch).
+// few-rows branch it replaces where it applies; the torch twin is
+// python/enginecore/model/attention.py paged_attention_torch.
 // Included by cpu_kernels_impl.h only inside cpu_kernels.cpp's AVX-512 namespace
-// (ECK_AVX512_DECODE), after the helpers it uses (to_f32, from_f32, fast_exp, ...).
+// (ECK_AVX512_DECODE), after the helpers it uses (to_f32, from_f32, exp_f64, ...).
 //
 // Why: a decode item is the G query heads of one KV head (3 rows on the default
 // model). The generic branch dotted every (row, position) pair with a horizontal
-// sum of its own and added each V row into accumulators kept in memory: 7 GFLOP/s
-// on one Zen 4 core, 5x under the memory rate of the K/V it reads. Here the
-// queries and the accumulators live in registers for the whole item, the scores of
-// 16 positions come out of one transpose-and-add tree (hsum16), and each K and V
-// row is widened from bf16 once, in registers, for all rows.
+// sum of its own and added each V row into accumulators kept in memory. Here the
+// queries and the accumulators stay in L1 for the whole item, the scores of 8
+// positions come out of one transpose-and-add tree (hsum8d), and each K and V row
+// is widened once, in registers, for all rows.
 //
-// Same arithmetic as attend_item (fp32 products and sums, the same online softmax
-// and fast_exp), sums in another order: equal to the twin within the tolerances of
-// tests/test_paged_attention.py, as the generic branch is.
+// Same arithmetic as attend_item (float64 products, sums and softmax, rounded once
+// at the end), sums in another order: ~1e-16 apart, the same bits after the rounding.
 
-// 16 floats of a row, widened from bf16 in registers.
-ECK_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-ECK_INLINE __m512 load16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// 8 values of a row widened to float64 in registers (bf16 and float32 fit exactly).
+ECK_INLINE __m512d load8d(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+ECK_INLINE __m512d load8d(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
 }
 
-#include "hsum16_avx512.h"
+// 8 vectors of 8 doubles -> one vector whose lane j is the sum of v[j]'s lanes: pairs
+// interleaved and added (each 128-bit block then holds partial sums of two vectors),
+// then the blocks folded twice.
+ECK_INLINE __m512d hsum8d(const __m512d* v) {
+  __m512d w[4];
+  for (int i = 0; i < 4; ++i) {
+    w[i] = _mm512_add_pd(_mm512_unpacklo_pd(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_pd(v[2 * i], v[2 * i + 1]));
+  }
+  const __m512d x0 = _mm512_add_pd(_mm512_shuffle_f64x2(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f64x2(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512d x1 = _mm512_add_pd(_mm512_shuffle_f64x2(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f64x2(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_pd(_mm512_shuffle_f64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
 
 // The K and V rows of positions [t0, min(t0 + kTile - 1, hi)] asked into L2. The rows
 // are scattered over the cache (a 64- or 128-value row per block position and
@@ -48,40 +61,40 @@ ECK_INLINE void prefetch_rows(const AttnParams& p, const int32_t* table, int64_t
 }
 
 // Vectors of a row's accumulators one pass over a tile's V rows updates: as many as
-// keep R rows of them, the V row's slice and the weight in registers (16 + 4 + 1
-// of 32; at head_dim 128 a pass over all 8 vectors of 3+ rows spilled).
+// keep R rows of them, the V row's slice and the weight in registers (at most 16
+// accumulators and 8 slice vectors of 32).
 constexpr int pv_vectors(int R, int C) {
   int cc = 1;
-  while (cc * 2 <= C && R * cc * 2 <= 16) cc *= 2;
+  while (cc * 2 <= C && cc * 2 <= 8 && R * cc * 2 <= 16) cc *= 2;
   return cc;
 }
 
 // One work item with R = G * (q1 - q0) rows and head_dim D (a multiple of 16).
 template <typename T, int D, int R>
 void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
-  constexpr int C = D / 16;  // vectors per row
+  constexpr int C = D / 8;  // vectors of 8 doubles per row
   constexpr int CC = pv_vectors(R, C);
   const int G = p.num_heads / p.num_kv_heads;
   const T* q = static_cast<const T*>(p.q);
   const auto [qstart, first_pos, lo, hi] = item_span(p, it);
-  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512d scale = _mm512_set1_pd(p.scale);
   // Scaled queries and the accumulators, in L1: the scores read the queries as
   // FMA operands, each V pass loads and stores a slice of the accumulators once
   // per tile (rescaled by the row's softmax correction on the way in).
-  alignas(64) float Q[R][D];
-  alignas(64) float A[R][D];
-  float m[R], l[R], corr[R];
+  alignas(64) double Q[R][D];
+  alignas(64) double A[R][D];
+  double m[R], l[R], corr[R];
   int qpos[R];
   for (int r = 0; r < R; ++r) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     const T* src = q + static_cast<int64_t>(qstart + i) * p.q_st + static_cast<int64_t>(h) * p.q_sh;
     for (int c = 0; c < C; ++c) {
-      _mm512_store_ps(&Q[r][16 * c], _mm512_mul_ps(load16(src + 16 * c), scale));
-      _mm512_store_ps(&A[r][16 * c], _mm512_setzero_ps());
+      _mm512_store_pd(&Q[r][8 * c], _mm512_mul_pd(load8d(src + 8 * c), scale));
+      _mm512_store_pd(&A[r][8 * c], _mm512_setzero_pd());
     }
-    m[r] = -__builtin_inff();
-    l[r] = 0.0f;
+    m[r] = -__builtin_inf();
+    l[r] = 0.0;
     qpos[r] = first_pos + i;
   }
   const T* kc = static_cast<const T*>(p.k_cache);
@@ -90,8 +103,8 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
   const int bs = p.block_size;
   const int64_t head_off = static_cast<int64_t>(it.kvh) * p.c_sh;
   prefetch_rows<T, D>(p, table, head_off, lo, hi);
-  alignas(64) float S[R][kTile];
-  __m512 P[R][16];  // per row, 16 positions' lane-wise partial dot products
+  alignas(64) double S[R][kTile];
+  __m512d P[R][8];  // per row, 8 positions' lane-wise partial dot products
   int64_t off[kTile];  // each position's row, from the start of either cache
   for (int t0 = lo; t0 <= hi; t0 += kTile) {
     const int n = hi - t0 + 1 < kTile ? hi - t0 + 1 : kTile;
@@ -101,21 +114,21 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
     }
     // The next tile's rows, while this one computes.
     prefetch_rows<T, D>(p, table, head_off, t0 + kTile, hi);
-    // Scores, 16 positions at a time: each K row widened once for all R rows.
-    for (int j0 = 0; j0 < n; j0 += 16) {
-      const int nj = n - j0 < 16 ? n - j0 : 16;
+    // Scores, 8 positions at a time: each K row widened once for all R rows.
+    for (int j0 = 0; j0 < n; j0 += 8) {
+      const int nj = n - j0 < 8 ? n - j0 : 8;
       for (int jj = 0; jj < nj; ++jj) {
-        __m512 k[C];
-        for (int c = 0; c < C; ++c) k[c] = load16(kc + off[j0 + jj] + 16 * c);
+        __m512d k[C];
+        for (int c = 0; c < C; ++c) k[c] = load8d(kc + off[j0 + jj] + 8 * c);
         for (int r = 0; r < R; ++r) {
-          __m512 s = _mm512_mul_ps(_mm512_load_ps(&Q[r][0]), k[0]);
-          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_load_ps(&Q[r][16 * c]), k[c], s);
+          __m512d s = _mm512_mul_pd(_mm512_load_pd(&Q[r][0]), k[0]);
+          for (int c = 1; c < C; ++c) s = _mm512_fmadd_pd(_mm512_load_pd(&Q[r][8 * c]), k[c], s);
           P[r][jj] = s;
         }
       }
       for (int r = 0; r < R; ++r) {
-        for (int jj = nj; jj < 16; ++jj) P[r][jj] = _mm512_setzero_ps();
-        _mm512_store_ps(&S[r][j0], hsum16(P[r]));
+        for (int jj = nj; jj < 8; ++jj) P[r][jj] = _mm512_setzero_pd();
+        _mm512_store_pd(&S[r][j0], hsum8d(P[r]));
       }
     }
     // Soft cap, masks, online softmax (attend_item's); the accumulators' rescale is
@@ -124,25 +137,25 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
     // Values, CC vectors of every row's accumulators per pass: each V row's slice
     // widened once, added into every row.
     for (int c0 = 0; c0 < C; c0 += CC) {
-      __m512 acc[R][CC];
+      __m512d acc[R][CC];
       for (int r = 0; r < R; ++r) {
-        const __m512 cv = _mm512_set1_ps(corr[r]);
-        for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(&A[r][16 * (c0 + c)]), cv);
+        const __m512d cv = _mm512_set1_pd(corr[r]);
+        for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_mul_pd(_mm512_load_pd(&A[r][8 * (c0 + c)]), cv);
       }
       for (int j = 0; j < n; ++j) {
-        const T* vp = vc + off[j] + 16 * c0;
-        __m512 v[CC];
-        for (int c = 0; c < CC; ++c) v[c] = load16(vp + 16 * c);
+        const T* vp = vc + off[j] + 8 * c0;
+        __m512d v[CC];
+        for (int c = 0; c < CC; ++c) v[c] = load8d(vp + 8 * c);
         for (int r = 0; r < R; ++r) {
-          // A weight of 0 (a masked position, an exp that underflowed) adds nothing,
-          // even times a NaN or inf V row, as in attend_item.
-          if (S[r][j] == 0.0f) continue;
-          const __m512 w = _mm512_set1_ps(S[r][j]);
-          for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+          // A weight of 0 (a masked position, an exp below double's range) adds
+          // nothing, even times a NaN or inf V row, as in attend_item.
+          if (S[r][j] == 0.0) continue;
+          const __m512d w = _mm512_set1_pd(S[r][j]);
+          for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_fmadd_pd(w, v[c], acc[r][c]);
         }
       }
       for (int r = 0; r < R; ++r) {
-        for (int c = 0; c < CC; ++c) _mm512_store_ps(&A[r][16 * (c0 + c)], acc[r][c]);
+        for (int c = 0; c < CC; ++c) _mm512_store_pd(&A[r][8 * (c0 + c)], acc[r][c]);
       }
     }
   }
@@ -151,10 +164,10 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    float* ar = A[r];
+    const double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+    const double* ar = A[r];
 #pragma omp simd
-    for (int d = 0; d < D; ++d) from_f32(ar[d] * inv, dst + d);
+    for (int d = 0; d < D; ++d) from_f32(static_cast<float>(ar[d] * inv), dst + d);
   }
 }
 

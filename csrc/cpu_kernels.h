@@ -35,8 +35,8 @@ struct AttnParams {
   const int32_t* query_start;  // [seqs + 1] first query token of each sequence
   const int32_t* seq_lens;     // [seqs] context length including this step's tokens
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-  float scale;
-  float soft_cap;      // <= 0: none
+  double scale;
+  double soft_cap;     // <= 0: none
   int sliding_window;  // <= 0: none
 };
 
@@ -44,8 +44,9 @@ struct AttnItem {
   int seq, kvh, q0, q1;
 };
 
-// Floats of scratch one work item needs (see attend_item's layout).
-inline int64_t attn_scratch_floats(int rows, int head_dim) {
+// Doubles of scratch one work item needs (see attend_item's layout; the
+// positions' ints take a slot each).
+inline int64_t attn_scratch_doubles(int rows, int head_dim) {
   return 2LL * rows * head_dim + static_cast<int64_t>(rows) * kTile + 3LL * rows +
          static_cast<int64_t>(kTile) * head_dim + 16;
 }
@@ -60,7 +61,7 @@ struct RmsNormParams {
   void* out;
   int64_t out_stride;
   int hidden;
-  float eps;
+  double eps;
 };
 
 struct RopeParams {
@@ -93,7 +94,7 @@ struct ArgmaxParams {
 
 struct CpuKernels {
   const char* isa;
-  void (*attend)(const AttnParams&, const AttnItem&, float* scratch);
+  void (*attend)(const AttnParams&, const AttnItem&, double* scratch);
   void (*rms_norm)(const RmsNormParams&, int64_t row_begin, int64_t row_end);
   void (*rope)(const RopeParams&, int64_t token_begin, int64_t token_end);
   void (*silu_and_mul)(const SiluMulParams&, int64_t row_begin, int64_t row_end);

@@ -4,10 +4,12 @@
 // AVX-512, AVX2 and the baseline; the dispatcher picks one by CPUID.
 // No includes here: cpu_kernels.cpp provides them (and cpu_kernels.h's types).
 //
-// Numerics: inputs bf16 or fp32, all arithmetic in fp32. The element-wise
-// kernels (RMSNorm, RoPE, SiLU-and-mul) round to the model dtype exactly where
-// their torch twins do, so for bf16 they give the twin's bits except where
-// the fp32 reduction order or exp differs by an ulp before a rounding.
+// Numerics: inputs bf16 or fp32. Every kernel rounds to the model dtype exactly
+// where its torch twin does. What an order or an exp could move (a sum, a
+// softmax, SiLU's exp) is computed in float64 on both sides, so the two agree to
+// ~1e-16 before the rounding and give the same bits: native and twin tokens are
+// identical in bf16 too (tests/test_default_model_twin_tokens.py). RoPE is
+// float32 products rounded as torch rounds them.
 
 #define ECK_INLINE inline __attribute__((always_inline))
 
@@ -32,39 +34,48 @@ ECK_INLINE float round_to(float x, const bf16*) {
   return to_f32(b);
 }
 
-// exp (Cephes' polynomial on a range-reduced argument, ~2 ulp), written so the
-// compiler vectorizes it: exp(-inf) and anything below -88 is 0, anything above
-// expf's overflow point (88.72...) is +inf as expf gives (SiLU's x / (1 + exp(-x))
-// must reach -0 for a huge negative x, NaN for -inf), (88, 88.72] is 2 exp(x - ln 2)
-// (2^n past n = 127 would not fit the exponent trick below), NaN stays NaN.
-ECK_INLINE float fast_exp(float x) {
-  const float x_in = x;
-  const bool high = x > 88.0f;
-  x = high ? x - 0.693147180559945f : x;
-  x = x < -88.0f ? -88.0f : (x > 88.3f ? 88.3f : x);  // 88.3: n <= 127 below
-  // n = round(x / ln 2) by the 1.5 * 2^23 shift (no floorf: it keeps loops scalar
-  // below SSE4.1 and under GCC's target pragmas); its low bits are n itself.
-  const float shifted = x * 1.44269504088896341f + 12582912.0f;
-  const float n = shifted - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // 2^n as float bits; n = -127 at the clamp gives 0, so exp(-inf) is exactly 0.
-  const int32_t e = (__builtin_bit_cast(int32_t, shifted) - 0x4B400000) + 127;
-  const float y = p * __builtin_bit_cast(float, e << 23);
-  const float scaled = high ? 2.0f * y : y;
-  return x_in >= 88.72283935546875f ? __builtin_inff() : scaled;  // expf's overflow
+// exp in float64: Cody-Waite split x = n ln2 + r (|r| <= ln2 / 2), a degree-13
+// Taylor polynomial for exp(r) (remainder under 2^-57), then 2^n by the exponent
+// bits: within a few double ulp of exp, written so the compiler vectorizes it.
+// The kernels whose torch twins compute in float64 (RMSNorm's sum, SiLU, the
+// attention's softmax) use it, so both sides agree to ~1e-16 before their one
+// rounding to float32 / bf16 at the end and land on the same bits (a float32
+// tie inside that distance is ~1e-8 likely per value; a bf16 one far rarer).
+// Below -708 (where doubles go subnormal) it gives 0, above 709 +inf: nothing
+// that survives the rounding to float32 lives out there (softmax exponents are
+// <= 0, and SiLU's x / (1 + e^-x) there is a float32 zero or x itself).
+// NaN stays NaN.
+ECK_INLINE double exp_f64(double x) {
+  const double xc = x < -708.0 ? -708.0 : (x > 709.0 ? 709.0 : x);
+  // n = round(x / ln 2) by the 1.5 * 2^52 shift; its low bits are n itself.
+  const double shifted = xc * 1.4426950408889634 + 6755399441055744.0;
+  const double n = shifted - 6755399441055744.0;
+  double r = xc - n * 6.93147180369123816490e-01;  // ln2's high part: n * it is exact
+  r = r - n * 1.90821492927058770002e-10;           // and its low part
+  double p = 1.6059043836821613e-10;  // 1/13!
+  p = p * r + 2.08767569878681e-09;   // 1/12!
+  p = p * r + 2.505210838544172e-08;  // 1/11!
+  p = p * r + 2.755731922398589e-07;  // 1/10!
+  p = p * r + 2.7557319223985893e-06;
+  p = p * r + 2.48015873015873e-05;
+  p = p * r + 1.984126984126984e-04;
+  p = p * r + 1.388888888888889e-03;
+  p = p * r + 8.333333333333333e-03;
+  p = p * r + 4.1666666666666664e-02;
+  p = p * r + 1.6666666666666666e-01;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  const int64_t e = (__builtin_bit_cast(int64_t, shifted) - 0x4338000000000000LL) + 1023;
+  const double y = p * __builtin_bit_cast(double, e << 52);
+  return x < -708.0 ? 0.0 : (x > 709.0 ? __builtin_inf() : y);
 }
 
-ECK_INLINE float fast_tanh(float x) {
-  float a = x < 0 ? -x : x;
-  float t = 1.0f - 2.0f / (fast_exp(2.0f * (a > 44.0f ? 44.0f : a)) + 1.0f);
+// tanh in float64 from exp_f64 (odd; 1 - 2 / (e^2a + 1) for a = |x|, capped where
+// it is 1 in double).
+ECK_INLINE double tanh_f64(double x) {
+  const double a = x < 0 ? -x : x;
+  const double t = 1.0 - 2.0 / (exp_f64(2.0 * (a > 20.0 ? 20.0 : a)) + 1.0);
   return x < 0 ? -t : t;
 }
 
@@ -91,12 +102,12 @@ ECK_INLINE ItemSpan item_span(const AttnParams& p, const AttnItem& it) {
 // weights against the running max m (updated with the running sum l). Returns the
 // factor what the row accumulated before must be scaled by (1 when the max stayed,
 // and when nothing in the tile is visible: weights 0, m and l untouched).
-ECK_INLINE float softmax_tile_row(const AttnParams& p, float* sr, int n, int t0, int qp,
-                                  float& m, float& l) {
-  if (p.soft_cap > 0.0f) {
-    const float cap = p.soft_cap, inv = 1.0f / p.soft_cap;
+ECK_INLINE double softmax_tile_row(const AttnParams& p, double* sr, int n, int t0, int qp,
+                                   double& m, double& l) {
+  if (p.soft_cap > 0.0) {
+    const double cap = p.soft_cap, inv = 1.0 / p.soft_cap;
 #pragma omp simd
-    for (int j = 0; j < n; ++j) sr[j] = cap * fast_tanh(sr[j] * inv);
+    for (int j = 0; j < n; ++j) sr[j] = cap * tanh_f64(sr[j] * inv);
   }
   const int win = p.sliding_window;
   // Mask only tiles that reach past the row's position or out of its window
@@ -105,22 +116,22 @@ ECK_INLINE float softmax_tile_row(const AttnParams& p, float* sr, int n, int t0,
     for (int j = 0; j < n; ++j) {
       const int t = t0 + j;
       const bool ok = t <= qp && (win <= 0 || qp - t < win);
-      sr[j] = ok ? sr[j] : -__builtin_inff();
+      sr[j] = ok ? sr[j] : -__builtin_inf();
     }
   }
-  float mt = -__builtin_inff();
+  double mt = -__builtin_inf();
 #pragma omp simd reduction(max : mt)
   for (int j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
-  if (mt == -__builtin_inff()) {  // nothing visible in this tile: weights 0
-    for (int j = 0; j < n; ++j) sr[j] = 0.0f;
-    return 1.0f;
+  if (mt == -__builtin_inf()) {  // nothing visible in this tile: weights 0
+    for (int j = 0; j < n; ++j) sr[j] = 0.0;
+    return 1.0;
   }
-  const float m_new = mt > m ? mt : m;
-  const float corr = fast_exp(m - m_new);
-  float sum = 0.0f;
+  const double m_new = mt > m ? mt : m;
+  const double corr = exp_f64(m - m_new);
+  double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
   for (int j = 0; j < n; ++j) {
-    sr[j] = fast_exp(sr[j] - m_new);
+    sr[j] = exp_f64(sr[j] - m_new);
     sum += sr[j];
   }
   l = l * corr + sum;
@@ -131,18 +142,21 @@ ECK_INLINE float softmax_tile_row(const AttnParams& p, float* sr, int n, int t0,
 // One work item: the query tokens [q0, q1) of sequence `seq` (rows: each token's
 // G query heads of KV head `kvh`) against that sequence's cached context, read
 // in place through its block table; online softmax over tiles of positions.
+// In float64 throughout (bf16 and float32 values widen exactly), rounded once
+// at the end: the torch twin computes the same in float64, so the two agree to
+// ~1e-16 before that rounding and give the same bits (module comment above).
 template <typename T, int DC>
-void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
+void attend_item(const AttnParams& p, const AttnItem& it, double* buf) {
   const int D = DC > 0 ? DC : p.head_dim;
   const int G = p.num_heads / p.num_kv_heads;
   const int nq = it.q1 - it.q0;
   const int R = G * nq;
-  float* Q = buf;                    // [R][D] scaled queries
-  float* acc = Q + R * D;            // [R][D]
-  float* S = acc + R * D;            // [R][kTile] scores, then probabilities
-  float* m = S + R * kTile;          // [R] running max
-  float* l = m + R;                  // [R] running sum
-  float* kf = l + R;                 // [kTile][D] the tile's K (or V) in fp32
+  double* Q = buf;                   // [R][D] scaled queries
+  double* acc = Q + R * D;           // [R][D]
+  double* S = acc + R * D;           // [R][kTile] scores, then probabilities
+  double* m = S + R * kTile;         // [R] running max
+  double* l = m + R;                 // [R] running sum
+  double* kf = l + R;                // [kTile][D] the tile's K (or V)
   int* qpos = reinterpret_cast<int*>(kf + kTile * D);  // [R]
 
   const T* q = static_cast<const T*>(p.q);
@@ -151,13 +165,13 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     const T* src = q + static_cast<int64_t>(qstart + i) * p.q_st + static_cast<int64_t>(h) * p.q_sh;
-    float* dst = Q + r * D;
+    double* dst = Q + r * D;
 #pragma omp simd
-    for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * p.scale;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<double>(to_f32(src[d])) * p.scale;
 #pragma omp simd
-    for (int d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
-    m[r] = -__builtin_inff();
-    l[r] = 0.0f;
+    for (int d = 0; d < D; ++d) acc[r * D + d] = 0.0;
+    m[r] = -__builtin_inf();
+    l[r] = 0.0;
     qpos[r] = first_pos + i;
   }
   const T* kc = static_cast<const T*>(p.k_cache);
@@ -173,47 +187,47 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
       slots[j] = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
     }
     if (R >= kTransposedMinRows) {
-      // Many rows (prefill): the tile's K in fp32, transposed to [D][kTile]
-      // (zero past n), so a row's scores are kTile-wide vector multiply-adds
-      // with no horizontal sums; the transpose is paid once for all rows.
+      // Many rows (prefill): the tile's K transposed to [D][kTile] (zero past n),
+      // so a row's scores are kTile-wide vector multiply-adds with no horizontal
+      // sums; the transpose is paid once for all rows.
       for (int j = 0; j < n; ++j) {
         const T* kp = kc + slots[j] * p.c_ss + head_off;
         for (int d = 0; d < D; ++d) kf[d * kTile + j] = to_f32(kp[d]);
       }
       if (n < kTile) {
         for (int d = 0; d < D; ++d) {
-          for (int j = n; j < kTile; ++j) kf[d * kTile + j] = 0.0f;
+          for (int j = n; j < kTile; ++j) kf[d * kTile + j] = 0.0;
         }
       }
       for (int r = 0; r < R; ++r) {
-        const float* qr = Q + r * D;
-        float sc[kTile];
+        const double* qr = Q + r * D;
+        double sc[kTile];
 #pragma omp simd
-        for (int j = 0; j < kTile; ++j) sc[j] = 0.0f;
+        for (int j = 0; j < kTile; ++j) sc[j] = 0.0;
         for (int d = 0; d < D; ++d) {
-          const float qd = qr[d];
-          const float* kd = kf + d * kTile;
+          const double qd = qr[d];
+          const double* kd = kf + d * kTile;
 #pragma omp simd
           for (int j = 0; j < kTile; ++j) sc[j] += qd * kd[j];
         }
-        float* sr = S + r * kTile;
+        double* sr = S + r * kTile;
 #pragma omp simd
         for (int j = 0; j < kTile; ++j) sr[j] = sc[j];
       }
     } else {
-      // Few rows (decode: the G heads of one KV head): each K row converted
+      // Few rows (decode: the G heads of one KV head): each K row widened
       // once and dotted with every row; a transpose would cost more than it saves.
       for (int j = 0; j < n; ++j) {
         const T* kp = kc + slots[j] * p.c_ss + head_off;
-        float* kr = kf + j * D;
+        double* kr = kf + j * D;
 #pragma omp simd
         for (int d = 0; d < D; ++d) kr[d] = to_f32(kp[d]);
       }
       for (int r = 0; r < R; ++r) {
-        const float* qr = Q + r * D;
+        const double* qr = Q + r * D;
         for (int j = 0; j < n; ++j) {
-          const float* kr = kf + j * D;
-          float sc = 0.0f;
+          const double* kr = kf + j * D;
+          double sc = 0.0;
 #pragma omp simd reduction(+ : sc)
           for (int d = 0; d < D; ++d) sc += qr[d] * kr[d];
           S[r * kTile + j] = sc;
@@ -223,28 +237,30 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
     // Soft cap, masks, online softmax: per row, rescale what was accumulated
     // when the max grows, then turn the tile's scores into weights.
     for (int r = 0; r < R; ++r) {
-      const float corr = softmax_tile_row(p, S + r * kTile, n, t0, qpos[r], m[r], l[r]);
-      if (corr != 1.0f) {
-        float* ar = acc + r * D;
+      const double corr = softmax_tile_row(p, S + r * kTile, n, t0, qpos[r], m[r], l[r]);
+      if (corr != 1.0) {
+        double* ar = acc + r * D;
 #pragma omp simd
         for (int d = 0; d < D; ++d) ar[d] *= corr;
       }
     }
-    // Values: each V row converted once (into the K tile's buffer, now free),
+    // Values: each V row widened once (into the K tile's buffer, now free),
     // added into every row that sees it.
     for (int j = 0; j < n; ++j) {
       const T* vp = vc + slots[j] * p.c_ss + head_off;
-      float* vr = kf + j * D;
+      double* vr = kf + j * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) vr[d] = to_f32(vp[d]);
     }
     for (int r = 0; r < R; ++r) {
-      float* ar = acc + r * D;
-      const float* sr = S + r * kTile;
+      double* ar = acc + r * D;
+      const double* sr = S + r * kTile;
       for (int j = 0; j < n; ++j) {
-        const float w = sr[j];
-        if (w == 0.0f) continue;
-        const float* vr = kf + j * D;
+        const double w = sr[j];
+        // A weight of 0 (masked, or an exp below double's range) adds nothing,
+        // even times a NaN or inf V row the position never saw.
+        if (w == 0.0) continue;
+        const double* vr = kf + j * D;
 #pragma omp simd
         for (int d = 0; d < D; ++d) ar[d] += w * vr[d];
       }
@@ -255,10 +271,10 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const float* ar = acc + r * D;
+    const double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+    const double* ar = acc + r * D;
 #pragma omp simd
-    for (int d = 0; d < D; ++d) from_f32(ar[d] * inv, dst + d);
+    for (int d = 0; d < D; ++d) from_f32(static_cast<float>(ar[d] * inv), dst + d);
   }
 }
 
@@ -267,7 +283,7 @@ void attend_item(const AttnParams& p, const AttnItem& it, float* buf) {
 #endif
 
 template <typename T>
-void attend(const AttnParams& p, const AttnItem& it, float* buf) {
+void attend(const AttnParams& p, const AttnItem& it, double* buf) {
 #ifdef ECK_AVX512_DECODE
   // Few rows (decode): on registers where the head size has a path there.
   if (p.head_dim == 64 && attend_decode_fast<T, 64>(p, it)) return;
@@ -280,7 +296,7 @@ void attend(const AttnParams& p, const AttnItem& it, float* buf) {
   }
 }
 
-void attend_items(const AttnParams& p, const AttnItem& it, float* buf) {
+void attend_items(const AttnParams& p, const AttnItem& it, double* buf) {
   if (p.dtype == DType::kBFloat16) {
     attend<bf16>(p, it, buf);
   } else {
@@ -290,8 +306,11 @@ void attend_items(const AttnParams& p, const AttnItem& it, float* buf) {
 
 // -- RMSNorm (+ residual add) ----------------------------------------------------------
 // Rows [r0, r1): with a residual, h = round(h + delta) is written back into
-// `residual` first (torch: `h = h + delta`); then out = w * round(h * rsqrt(mean(h^2) + eps))
-// (transformers' LlamaRMSNorm: normalise in fp32, scale in the model dtype).
+// `residual` first (torch: `h = h + delta`); then out = w * round(h / sqrt(mean(h^2) + eps))
+// with the mean of squares and the scaling in float64 (exact squares, a sum whose
+// order moves it by ~1e-16: the twin's float64 lands on the same float32), then
+// rounded to float32 and the model dtype, the scale by w in the model dtype
+// (transformers' LlamaRMSNorm, its float32 math done in float64).
 template <typename T>
 void rms_norm_rows(const RmsNormParams& p, int64_t r0, int64_t r1) {
   const int n = p.hidden;
@@ -300,25 +319,25 @@ void rms_norm_rows(const RmsNormParams& p, int64_t r0, int64_t r1) {
     T* h = static_cast<T*>(p.x) + row * p.x_stride;
     const T* delta = p.delta ? static_cast<const T*>(p.delta) + row * p.delta_stride : nullptr;
     T* out = static_cast<T*>(p.out) + row * p.out_stride;
-    float ss = 0.0f;
+    double ss = 0.0;
     if (delta != nullptr) {
 #pragma omp simd reduction(+ : ss)
       for (int i = 0; i < n; ++i) {
-        float v = round_to(to_f32(h[i]) + to_f32(delta[i]), h);
+        const float v = round_to(to_f32(h[i]) + to_f32(delta[i]), h);
         from_f32(v, h + i);
-        ss += v * v;
+        ss += static_cast<double>(v) * v;
       }
     } else {
 #pragma omp simd reduction(+ : ss)
       for (int i = 0; i < n; ++i) {
-        float v = to_f32(h[i]);
+        const double v = to_f32(h[i]);
         ss += v * v;
       }
     }
-    const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(n) + p.eps);
+    const double inv = 1.0 / __builtin_sqrt(ss / n + p.eps);
 #pragma omp simd
     for (int i = 0; i < n; ++i) {
-      float normed = round_to(to_f32(h[i]) * inv, h);
+      const float normed = round_to(static_cast<float>(to_f32(h[i]) * inv), h);
       from_f32(to_f32(w[i]) * normed, out + i);
     }
   }
@@ -374,7 +393,8 @@ void rope(const RopeParams& p, int64_t r0, int64_t r1) {
 
 // -- SiLU(gate) * up ---------------------------------------------------------------------
 // gate | up side by side in each input row: out = round(round(silu(g)) * u),
-// as `F.silu(gate) * up` in the model dtype.
+// as `F.silu(gate) * up` in the model dtype, silu(g) = g / (1 + e^-g) in float64
+// (the twin's too), rounded to float32 and then the model dtype.
 // Two loops over chunks of a row (silu into a float buffer, then the product):
 // one loop with the bf16 loads made GCC take 16 lanes per AVX2 iteration and
 // spill the exp's constants (1.65x slower).
@@ -391,8 +411,8 @@ void silu_and_mul_rows(const SiluMulParams& p, int64_t r0, int64_t r1) {
       const int m = n - c0 < kChunk ? n - c0 : kChunk;
 #pragma omp simd
       for (int i = 0; i < m; ++i) {
-        const float gv = to_f32(g[c0 + i]);
-        act[i] = gv / (1.0f + fast_exp(-gv));
+        const double gv = to_f32(g[c0 + i]);
+        act[i] = static_cast<float>(gv / (1.0 + exp_f64(-gv)));
       }
 #pragma omp simd
       for (int i = 0; i < m; ++i) {

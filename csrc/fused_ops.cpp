@@ -60,7 +60,7 @@ void rms_norm(uintptr_t x, int64_t x_stride, uintptr_t delta, int64_t delta_stri
   RmsNormParams p{check_dtype(dtype), reinterpret_cast<void*>(x), x_stride,
                   reinterpret_cast<const void*>(delta), delta_stride,
                   reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(out),
-                  out_stride, hidden, static_cast<float>(eps)};
+                  out_stride, hidden, eps};
   split_rows(p, cpu_kernels().rms_norm, rows, hidden, num_threads);
 }
 

@@ -3,7 +3,7 @@
 // One call per layer: writes the step's new K/V into the cache by slot, then
 // attends every sequence's query tokens over its context, read in place
 // through the block table (no gather), grouped-query heads sharing each K/V
-// row, fp32 accumulation and an online softmax. Work items are (sequence,
+// row, float64 arithmetic (rounded once, at the end) and an online softmax. Work items are (sequence,
 // KV head, chunk of query tokens), spread over torch's OpenMP threads without
 // the GIL.
 #include <pybind11/pybind11.h>
@@ -28,13 +28,13 @@ constexpr int64_t kParallelMinWork = 1 << 18;
 struct AttnJob {
   const AttnParams* p;
   const std::vector<AttnItem>* items;
-  int64_t scratch_floats;
+  int64_t scratch_doubles;
 };
 
 void run_item(void* ctx, int64_t i) {
   const auto* job = static_cast<const AttnJob*>(ctx);
-  thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < job->scratch_floats) scratch.resize(job->scratch_floats);
+  thread_local std::vector<double> scratch;
+  if (static_cast<int64_t>(scratch.size()) < job->scratch_doubles) scratch.resize(job->scratch_doubles);
   cpu_kernels().attend(*job->p, (*job->items)[i], scratch.data());
 }
 
@@ -87,8 +87,8 @@ void paged_attention(uintptr_t out, int64_t out_st, int64_t out_sh, uintptr_t q,
   p.num_kv_heads = num_kv_heads;
   p.head_dim = head_dim;
   p.block_size = block_size;
-  p.scale = static_cast<float>(scale);
-  p.soft_cap = static_cast<float>(soft_cap);
+  p.scale = scale;
+  p.soft_cap = soft_cap;
   p.sliding_window = sliding_window;
 
   const int G = num_heads / num_kv_heads;
@@ -104,7 +104,7 @@ void paged_attention(uintptr_t out, int64_t out_st, int64_t out_sh, uintptr_t q,
     }
   }
   const int rows = G * (chunk < 1 ? 1 : chunk);
-  AttnJob job{&p, &items, attn_scratch_floats(rows, head_dim)};
+  AttnJob job{&p, &items, attn_scratch_doubles(rows, head_dim)};
   const int64_t elem = p.dtype == DType::kBFloat16 ? 2 : 4;
   const auto* slots = reinterpret_cast<const int64_t*>(slot_mapping);
   py::gil_scoped_release release;

@@ -11,14 +11,16 @@ window ``W``, only the last ``W`` of them).
 Two implementations behind one switch (``enginecore._native``):
 - native (csrc/paged_attention.cpp): one call per layer writes the cache and
   reads K/V in place through the block table, grouped-query heads sharing
-  each K/V row, fp32 accumulation with an online softmax; float32 and
-  bfloat16 on the CPU.
+  each K/V row, an online softmax; float32 and bfloat16 on the CPU.
 - torch (``paged_attention_torch``, the twin; also CUDA and float16): decode
   tokens in ONE batched call over a padded gather of their contexts, prefill
   chunks one call each. GQA folds the query heads of each KV head into the
   query length, so K/V are never repeated.
-They agree within float tolerance (tests/test_paged_attention.py), not bit for
-bit: the accumulation order differs.
+On the CPU both compute scores, softmax and the weighted sum of V in float64
+(bf16 and float32 widen exactly) and round once, to float32 and then the model
+dtype: the orders differ, but only by ~1e-16, so the outputs are the same bits
+(a float32 rounding tie within that distance is ~1e-8 likely per value) and
+native and twin tokens are identical. On CUDA the twin keeps the model dtype.
 
 ``sliding_window`` and ``logits_soft_cap`` (``cap * tanh(scores / cap)``,
 applied after scaling) are supported by both.
@@ -179,7 +181,9 @@ def paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window
         qh = q[p.start : p.end].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
         kh = k_cache.index_select(0, p.ctx_slots).transpose(0, 1)
         vh = v_cache.index_select(0, p.ctx_slots).transpose(0, 1)
-        if logits_soft_cap:
+        if q.device.type == "cpu":
+            o = _attend_f64(qh, kh, vh, p.mask, scale, logits_soft_cap)
+        elif logits_soft_cap:
             scores = _soft_cap(torch.matmul(qh, kh.transpose(-1, -2)).float() * scale,
                                logits_soft_cap)
             probs = torch.softmax(scores.masked_fill(~p.mask, float("-inf")), dim=-1)
@@ -194,12 +198,25 @@ def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(scores / cap) * cap
 
 
+def _attend_f64(q, k, v, mask, scale, logits_soft_cap=None) -> torch.Tensor:
+    """softmax(q k^T * scale (capped), masked) v in float64, rounded to float32 and
+    then q's dtype: the native kernel's arithmetic up to the order of its sums."""
+    scores = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+    if logits_soft_cap:
+        scores = _soft_cap(scores, logits_soft_cap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, v.double()).float().to(q.dtype)
+
+
 def _decode(q, k_cache, v_cache, tables: TorchTables, scale, Hkv, G, logits_soft_cap=None):
     Bd, H, D = q.shape
     slots = tables.decode_slots
     L = slots.shape[1]
     kd = k_cache.index_select(0, slots.reshape(-1)).view(Bd, L, Hkv, D).transpose(1, 2)
     vd = v_cache.index_select(0, slots.reshape(-1)).view(Bd, L, Hkv, D).transpose(1, 2)
+    if q.device.type == "cpu":
+        return _attend_f64(q.view(Bd, Hkv, G, D), kd, vd, tables.decode_mask, scale,
+                           logits_soft_cap).reshape(Bd, H, D)
     # Plain batched matmuls: with G query rows per KV head, SDPA's CPU flash kernel
     # (built for long queries) took ~4x longer than this at batch 64 (profiled).
     scores = torch.matmul(q.view(Bd, Hkv, G, D), kd.transpose(-1, -2)).float() * scale

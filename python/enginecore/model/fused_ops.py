@@ -4,9 +4,10 @@ RMSNorm (with the residual add before it) and SiLU-and-mul.
 The torch versions are the reference, written as transformers computes them;
 the native ones do the same arithmetic in one pass over memory and one call
 (the torch versions are 5-8 small ops each, which is what a batch-1 step is
-made of) and round to the model dtype at the same places, so in bfloat16 they
-give the same bits except where an fp32 sum or exp differs by an ulp before a
-rounding. Native: float32/bfloat16 on the CPU; anything else takes torch.
+made of) and round to the model dtype at the same places. On the CPU both
+compute the sum of squares and SiLU's exp in float64, so an order or an exp
+implementation moves nothing that survives the rounding: the same bits in
+bfloat16 and float32. Native: float32/bfloat16 on the CPU; anything else takes torch.
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ def _native_for(x: torch.Tensor):
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    plus_one: bool = False) -> torch.Tensor:
-    # As transformers does: normalise in float32, scale in the model dtype; Gemma
-    # scales by (1 + w) in float32 and casts last.
+    # As transformers does: normalise in float32 (on the CPU in float64, as the
+    # kernel, then rounded to float32: the same bits whatever the order of the sum),
+    # scale in the model dtype; Gemma scales by (1 + w) in float32 and casts last.
     dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if x.device.type == "cpu":
+        x64 = x.double()
+        xf = (x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).float()
+    else:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if plus_one:
         return (xf * (1.0 + weight.float())).to(dtype)
     return weight * xf.to(dtype)
@@ -81,7 +87,12 @@ def rms_norm_args(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if gate_up.device.type != "cpu":
+        return F.silu(gate) * up
+    # On the CPU silu in float64 rounded to float32 and the model dtype, as the
+    # kernel: exp implementations differ in the last float32 bit, not in float64's.
+    g = gate.double()
+    return (g / (1.0 + torch.exp(-g))).float().to(gate.dtype) * up
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
