@@ -1,6 +1,6 @@
 """A decode step's projections with their weights in memory, not in cache: the
 default model's four projections x 30 layers (212 MB of bf16 weights, beyond any
-L3 here) run one after the other at 1 and 4 rows, through oneDNN's packed GEMM
+L3 here) run one after the other at 1-4 rows, through oneDNN's packed GEMM
 (``Linear`` kind "onednn") and through ``_C.bf16_gemv`` on the plain weight
 (``Linear(..., gemv=True)``), at 2 and 1 threads, side by side in one run. Prints
 the CPU model first, then ms per 30 layers and the weights' GB/s.
@@ -28,6 +28,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rows", default="1,2,3,4", help="rows per call, comma-separated")
     args = ap.parse_args()
     header(None)
     ext = _native.extension()
@@ -45,7 +46,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for threads in (2, 1):
         torch.set_num_threads(threads)
-        for rows in (1, 4):
+        for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in SHAPES}}
             best = {}
             for _ in range(args.rounds):  # the two kinds alternate

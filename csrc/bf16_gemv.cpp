@@ -10,16 +10,24 @@
 // memory: one stream per thread), 32 weights per VDPBF16PS against the resident x,
 // and 16 rows' dot products come out of one transpose-and-add tree.
 //
-// Numerics: VDPBF16PS multiplies bf16 pairs exactly and adds each pair into the
-// float32 lane with one rounding (denormal inputs and results flushed to zero, as
-// the instruction defines); the 16 lanes are summed by a fixed tree, the bias added
-// in float32, one rounding to bfloat16 (nearest even). The same bits for any
-// thread count. The torch twin is a float32 matmul of the same bf16 values: equal
-// within float32 rounding before the one bf16 rounding.
+// Numerics, defined so a torch twin replays them bit for bit (model/linear.py
+// bf16_gemv_torch): a bf16 x bf16 product is exact in float32, so each weight
+// pair's products go into two float32 accumulators per lane by FMA (one
+// rounding per add, exactly `acc + product` in torch): lane l of chunk c takes
+// elements 32c + 2l (even) and 32c + 2l + 1 (odd), chunks in order; then even +
+// odd per lane, the 16 lanes by hsum16's fixed tree, the bias added in float32
+// (when there is one), one rounding to bfloat16 (nearest even, as torch).
+// VDPBF16PS would be one instruction per 32 weights instead of three, but its
+// pair sum rounds in a way the vendors define differently (and it flushes
+// denormals): no twin could follow it on every CPU. The same bits for any
+// thread count. Two FMAs per 32 weights per row make 3-4 rows FMA-bound (slower
+// than oneDNN's VDPBF16PS GEMM there, docs/benchmarks.md): model/linear.py sends
+// it 1-2 rows.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <stdexcept>
+#include <vector>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -40,8 +48,7 @@ constexpr int64_t kRowsPerItem = 64;
 constexpr int kPrefetchBytes = 1024;
 
 struct GemvJob {
-  const uint16_t* x;
-  int64_t x_stride;
+  const float* x;  // [rows][chunks][2][16]: each chunk's even then odd elements, zero-padded
   int rows;
   const uint16_t* w;  // [N][K]
   const uint16_t* bias;
@@ -54,38 +61,47 @@ struct GemvJob {
 
 #include "hsum16_avx512.h"
 
+// 16 floats to bfloat16, nearest even, NaN as torch's 0x7fc0 (VCVTNEPS2BF16 would
+// flush denormals).
+GEMV_TARGET inline __m256i round_bf16(__m512 y) {
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
 template <int M>
 GEMV_TARGET void gemv_item(const GemvJob& j, int64_t item) {
   const int64_t K = j.K;
-  const int64_t full = K / 32, tail = K % 32;
-  const __mmask32 tail_mask = static_cast<__mmask32>((1ULL << tail) - 1);
+  const int64_t full = K / 32, chunks = (K + 31) / 32;
+  const __mmask32 tail_mask = static_cast<__mmask32>((1ULL << (K % 32)) - 1);
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int64_t n_end = (item + 1) * kRowsPerItem < j.N ? (item + 1) * kRowsPerItem : j.N;
   for (int64_t n0 = item * kRowsPerItem; n0 < n_end; n0 += 16) {
     const int nr = n_end - n0 < 16 ? static_cast<int>(n_end - n0) : 16;
     __m512 P[M][16];
     for (int jj = 0; jj < 16; ++jj) {
-      __m512 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      __m512 even[M], odd[M];
+      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
       if (jj < nr) {
         const uint16_t* wr = j.w + (n0 + jj) * K;
-        for (int64_t c = 0; c < full; ++c) {
+        for (int64_t c = 0; c < chunks; ++c) {
           _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * c) + kPrefetchBytes, _MM_HINT_T0);
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + 32 * c);
+          const __m512i wv = c < full ? _mm512_loadu_si512(wr + 32 * c)
+                                      : _mm512_maskz_loadu_epi16(tail_mask, wr + 32 * c);
+          // Each 32-bit lane holds elements 2l (low half) and 2l + 1 (high half):
+          // as floats, the low one shifted up, the high one with the low bits cleared.
+          const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+          const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(wv, odd_mask));
           for (int m = 0; m < M; ++m) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(j.x + m * j.x_stride + 32 * c);
-            acc[m] = _mm512_dpbf16_ps(acc[m], xv, wv);
-          }
-        }
-        if (tail) {
-          const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wr + 32 * full);
-          for (int m = 0; m < M; ++m) {
-            const __m512bh xv =
-                (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, j.x + m * j.x_stride + 32 * full);
-            acc[m] = _mm512_dpbf16_ps(acc[m], xv, wv);
+            const float* xc = j.x + (m * chunks + c) * 32;
+            even[m] = _mm512_fmadd_ps(_mm512_load_ps(xc), we, even[m]);
+            odd[m] = _mm512_fmadd_ps(_mm512_load_ps(xc + 16), wo, odd[m]);
           }
         }
       }
-      for (int m = 0; m < M; ++m) P[m][jj] = acc[m];
+      for (int m = 0; m < M; ++m) P[m][jj] = _mm512_add_ps(even[m], odd[m]);
     }
     const __mmask16 out_mask = static_cast<__mmask16>((1u << nr) - 1);
     __m512 b = _mm512_setzero_ps();
@@ -94,9 +110,9 @@ GEMV_TARGET void gemv_item(const GemvJob& j, int64_t item) {
       b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
     }
     for (int m = 0; m < M; ++m) {
-      const __m512 y = _mm512_add_ps(hsum16(P[m]), b);
-      const __m256i yb = (__m256i)_mm512_cvtneps_pbh(y);
-      _mm256_mask_storeu_epi16(j.out + m * j.out_stride + n0, out_mask, yb);
+      __m512 y = hsum16(P[m]);
+      if (j.bias != nullptr) y = _mm512_add_ps(y, b);
+      _mm256_mask_storeu_epi16(j.out + m * j.out_stride + n0, out_mask, round_bf16(y));
     }
   }
 }
@@ -137,9 +153,22 @@ void bf16_gemv(uintptr_t x, int64_t x_stride, int64_t rows, uintptr_t weight, ui
   }
   if (x == 0 || weight == 0 || out == 0) throw std::invalid_argument("bf16_gemv: null buffer");
 #ifdef ENGINECORE_GEMV
-  GemvJob job{reinterpret_cast<const uint16_t*>(x), x_stride, static_cast<int>(rows),
-              reinterpret_cast<const uint16_t*>(weight), reinterpret_cast<const uint16_t*>(bias),
-              reinterpret_cast<uint16_t*>(out), out_stride, in_features, out_features};
+  // x widened once, each 32-element chunk as its even then its odd elements
+  // (the weights' lane order), zeros past K.
+  const int64_t chunks = (in_features + 31) / 32;
+  thread_local std::vector<float> buf;
+  buf.assign(rows * chunks * 32 + 16, 0.0f);
+  float* xs = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / 4 % 16) % 16;
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k = 0; k < in_features; ++k) {
+      const float v = __builtin_bit_cast(float, static_cast<uint32_t>(xb[m * x_stride + k]) << 16);
+      xs[(m * chunks + k / 32) * 32 + (k % 2) * 16 + (k % 32) / 2] = v;
+    }
+  }
+  GemvJob job{xs, static_cast<int>(rows), reinterpret_cast<const uint16_t*>(weight),
+              reinterpret_cast<const uint16_t*>(bias), reinterpret_cast<uint16_t*>(out),
+              out_stride, in_features, out_features};
   const int64_t items = (out_features + kRowsPerItem - 1) / kRowsPerItem;
   py::gil_scoped_release release;
   parallel_for(items, num_threads > 1 ? num_threads : 1, run_item, &job);

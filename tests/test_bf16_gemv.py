@@ -1,6 +1,6 @@
 """The AVX512_BF16 decode GEMV (csrc/bf16_gemv.cpp ``_C.bf16_gemv``) against its twin
-(``kernel_twins.bf16_gemv_py``) and the exact sum, and ``Linear``'s use of it: calls of
-1-4 rows on the plain weight kept beside oneDNN's packed one."""
+(``kernel_twins.bf16_gemv_py``, the same bits) and the exact sum, and ``Linear``'s use
+of it: calls of 1-2 rows (``GEMV_MAX_ROWS``) on the plain weight kept beside oneDNN's packed one."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from enginecore import _native
 from enginecore.model import kernel_twins
 from enginecore.model.linear import GEMV_MAX_ROWS, Linear, gemv_enabled, packing_enabled
+from helpers import same_bits
 
 C = _native._ext
 has_gemv = C is not None and C.bf16_gemv_available()
@@ -64,8 +65,18 @@ def test_same_bits_on_any_thread_count_and_twin_agrees(rows):
     assert torch.equal(one, _run("native", x, w, b, threads=2))
     assert torch.equal(one, _run("native", x, w, b, threads=7))
     twin = _run("python", x, w, b)
-    # both within one rounding of the exact sum: at most one bf16 step apart
-    assert ((one.float() - twin.float()).abs() <= twin.float().abs() * 2.0 ** -7 + 1e-3).all()
+    assert torch.equal(one.view(torch.int16), twin.view(torch.int16))  # the twin's bits
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(1, 2), (17, 33), (64, 576), (130, 1536), (7, 4097), (49, 31)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_gives_the_twins_bits(rows, n, k, bias):
+    x, w, b = _case(rows, n, k, rows * 131 + n + k, bias)
+    x[0, 0] = float("nan") if n == 17 else x[0, 0]  # a NaN row stays NaN on both
+    native, twin = _run("native", x, w, b), _run("python", x, w, b)
+    assert same_bits(native, twin)
 
 
 @needs_gemv
@@ -111,10 +122,12 @@ def test_linear_runs_decode_rows_on_the_plain_weight(with_bias):
         assert _within_one_rounding(plain(x), x, w, b)
     three_d = x_all[:2].view(1, 2, 200)
     assert lin(three_d).shape == (1, 2, 333)
-    # The Python path after load: oneDNN's packed weight, the same arithmetic.
+    # The Python path runs the GEMV's twin on the same calls: the same bits.
+    native = [lin(x_all[:rows]) for rows in range(1, GEMV_MAX_ROWS + 1)]
     _native.set_native(False)
     try:
-        assert _within_one_rounding(lin(x_all[:1]), x_all[:1], w, b)
+        for rows, want in enumerate(native, start=1):
+            assert same_bits(lin(x_all[:rows]), want)
     finally:
         _native.set_native(True)
 
@@ -124,6 +137,15 @@ def test_gemv_copy_is_kept_by_size_and_switch(monkeypatch):
     assert not gemv_enabled(None, 1) and not gemv_enabled("panels", 1)
     monkeypatch.setenv("ENGINECORE_BF16_GEMV", "0")
     assert not gemv_enabled("onednn", 1)
+    # By the CPU, not the switch: the Python path keeps the copy where the native
+    # one does and runs the GEMV's twin on it (the same tokens either way).
+    monkeypatch.setenv("ENGINECORE_BF16_GEMV", "auto")
+    on_native = gemv_enabled("onednn", 1 << 20)
+    _native.set_native(False)
+    try:
+        assert gemv_enabled("onednn", 1 << 20) == on_native == has_gemv
+    finally:
+        _native.set_native(True)
     if has_gemv:
         monkeypatch.setenv("ENGINECORE_BF16_GEMV", "auto")
         assert gemv_enabled("onednn", 1 << 20) and not gemv_enabled("onednn", 1 << 40)

@@ -22,7 +22,8 @@ from enginecore import _native
 from enginecore.loaded_libraries import loaded_library_path
 from enginecore.model.cpu_flags import cpu_flags
 from enginecore.model.fused_ops import rms_norm_torch, silu_and_mul_torch
-from enginecore.model.linear import PANEL, bf16_linear_torch, unpack_panels
+from enginecore.model.linear import (PANEL, bf16_gemv_torch, bf16_linear_torch,
+                                     gemv_cpu_supported, unpack_panels)
 from enginecore.model.rope import apply_rope
 
 # The kernels' dtype codes (csrc/cpu_kernels.h DType).
@@ -56,7 +57,8 @@ def paged_attention_py(out: int, out_st: int, out_sh: int, q: int, q_st: int, q_
                        num_threads: int) -> None:
     """The twin of ``_C.paged_attention``: write the step's K/V into the paged cache
     (``k_new == 0``: skip), then attend every sequence's query tokens over its
-    context (causal, optional sliding window and logit soft cap), in float32."""
+    context (causal, optional sliding window and logit soft cap), in float64 rounded
+    once to float32 and the model dtype, as the kernel: the same bits."""
     dt = _dtype(dtype, "paged_attention")
     if num_kv_heads <= 0 or num_heads % num_kv_heads != 0 or head_dim <= 0 or block_size <= 0:
         raise ValueError("paged_attention: bad head or block sizes")
@@ -89,9 +91,10 @@ def paged_attention_py(out: int, out_st: int, out_sh: int, q: int, q_st: int, q_
             continue
         pos = torch.arange(ctx)
         ctx_slots = table[s, pos // bs] * bs + pos % bs
-        keys = kc.index_select(0, ctx_slots).float()  # [ctx, hkv, d]
-        values = vc.index_select(0, ctx_slots).float()
-        queries = q_all[start:end].float().view(n, hkv, group, d)
+        # float64 inside, rounded once at the end: the kernel's arithmetic
+        keys = kc.index_select(0, ctx_slots).double()  # [ctx, hkv, d]
+        values = vc.index_select(0, ctx_slots).double()
+        queries = q_all[start:end].double().view(n, hkv, group, d)
         scores = torch.einsum("nkgd,ckd->kgnc", queries, keys) * scale
         if soft_cap:
             scores = torch.tanh(scores / soft_cap) * soft_cap
@@ -101,7 +104,7 @@ def paged_attention_py(out: int, out_st: int, out_sh: int, q: int, q_st: int, q_
             visible &= pos[None, :] > (q_pos[:, None] - sliding_window)
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         attended = torch.einsum("kgnc,ckd->nkgd", probs, values)
-        out_all[start:end] = attended.reshape(n, num_heads, d).to(dt)
+        out_all[start:end] = attended.reshape(n, num_heads, d).float().to(dt)
 
 
 def rms_norm_py(x: int, x_stride: int, delta: int, delta_stride: int, weight: int, out: int,
@@ -197,15 +200,15 @@ def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out
                             (in_features * PANEL, PANEL, 1)), out_features)
     b = _view(bias, bf, (out_features,), (1,)) if bias else None
     xs = _view(x, bf, (rows, in_features), (x_stride, 1))
-    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_linear_torch(xs, w, b))
+    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_gemv_torch(xs, w, b))
 
 
 def bf16_gemv_py(x: int, x_stride: int, rows: int, weight: int, bias: int, out: int,
                  out_stride: int, in_features: int, out_features: int,
                  num_threads: int) -> None:
     """The twin of ``_C.bf16_gemv``: out = x W^T (+ bias) for 1-4 rows of bfloat16 x
-    and the plain [out_features, in_features] bfloat16 W, float32 inside, one
-    rounding to bfloat16."""
+    and the plain [out_features, in_features] bfloat16 W, the kernel's float32
+    order replayed (``bf16_gemv_torch``): the same bits."""
     if rows < 1 or rows > 4 or in_features <= 0 or out_features <= 0:
         raise ValueError("bf16_gemv: 1 <= rows <= 4, in_features > 0, out_features > 0")
     if rows > 1 and (x_stride < in_features or out_stride < out_features):
@@ -216,10 +219,10 @@ def bf16_gemv_py(x: int, x_stride: int, rows: int, weight: int, bias: int, out: 
     w = _view(weight, bf, (out_features, in_features), (in_features, 1))
     b = _view(bias, bf, (out_features,), (1,)) if bias else None
     xs = _view(x, bf, (rows, in_features), (x_stride, 1))
-    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_linear_torch(xs, w, b))
+    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_gemv_torch(xs, w, b))
 
 
 def bf16_gemv_available_py() -> bool:
-    """The twin of ``_C.bf16_gemv_available``: the Python path keeps no plain copy and
-    runs oneDNN's packed GEMM for every call."""
-    return False
+    """The twin of ``_C.bf16_gemv_available``: whether this CPU runs the GEMV (the
+    Python path runs its twin on the same calls)."""
+    return gemv_cpu_supported()

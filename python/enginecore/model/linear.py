@@ -19,6 +19,8 @@ runs, the same float32-accumulated arithmetic).
 Decode-sized calls (at most ``GEMV_MAX_ROWS`` rows) on a CPU with AVX512_BF16 run
 ``_C.bf16_gemv`` on the plain weight instead: one front-to-back stream of each weight
 row, which oneDNN's packed GEMM read at 40 % of the memory rate (docs/benchmarks.md).
+Its summation order is fixed, and the Python path replays it (``bf16_gemv_torch``)
+on the same calls: native and twin give the same bits.
 That needs the plain weight beside the packed one, so a model keeps both only while
 its projections total at most ``GEMV_COPY_LIMIT_BYTES`` (``ENGINECORE_BF16_GEMV=0``:
 never; ``=1``: whatever the size); a tied LM head's plain weight is the embedding.
@@ -41,8 +43,9 @@ from enginecore.model.cpu_flags import cpu_flags
 
 # Output features per panel of _C.bf16_linear's weight layout (csrc/bf16_gemm.cpp kNR).
 PANEL = 16
-# Rows up to which a call runs _C.bf16_gemv (csrc/bf16_gemv.cpp takes 1-4).
-GEMV_MAX_ROWS = 4
+# Rows up to which a call runs _C.bf16_gemv (csrc/bf16_gemv.cpp takes 1-4; its two
+# exact float32 FMAs per 32 weights and row made 3-4 rows slower than oneDNN).
+GEMV_MAX_ROWS = 2
 # Projections up to this size keep their plain bf16 weight beside the packed one.
 GEMV_COPY_LIMIT_BYTES = 2 << 30
 GEMV_ENV = "ENGINECORE_BF16_GEMV"
@@ -79,10 +82,16 @@ def gemv_enabled(pack: str | None, weight_bytes: int) -> bool:
     flag = os.environ.get(GEMV_ENV, "auto").strip().lower()
     if flag in ("0", "false", "no", "off"):
         return False
-    ext = _native.extension()
-    if ext is None or not ext.bf16_gemv_available():
+    # By the CPU's flags, not the switch: the Python path runs the same GEMV's
+    # arithmetic (bf16_gemv_torch) where the native one would, for the same bits.
+    if not gemv_cpu_supported():
         return False
     return flag in ("1", "true", "yes", "on") or weight_bytes <= GEMV_COPY_LIMIT_BYTES
+
+
+def gemv_cpu_supported() -> bool:
+    """Whether this CPU runs ``_C.bf16_gemv`` (AVX-512 F/BW/VL and AVX512_BF16)."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -107,6 +116,30 @@ def bf16_linear_torch(x: torch.Tensor, weight: torch.Tensor,
     y = x.float() @ weight.float().T
     if bias is not None:
         y += bias.float()
+    return y.to(torch.bfloat16)
+
+
+def bf16_gemv_torch(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``_C.bf16_gemv``'s arithmetic in torch, bit for bit (csrc/bf16_gemv.cpp): the
+    bf16 products (exact in float32) of each 32-element chunk added, chunk after
+    chunk, into 32 float32 accumulators (lane l: elements 2l and 2l + 1); then even +
+    odd per lane, the 16 lanes by hsum16's tree, the bias in float32, one rounding.
+    One torch op per chunk: slower than the kernel, the same bits."""
+    rows, k = x.shape
+    xf = x.float()
+    acc = x.new_zeros(rows, weight.shape[0], 32, dtype=torch.float32)
+    for c0 in range(0, k, 32):
+        width = min(32, k - c0)
+        prod = xf[:, None, c0 : c0 + width] * weight[:, c0 : c0 + width].float()
+        if width < 32:  # the kernel's zero padding adds +0 to the other lanes
+            prod = F.pad(prod, (0, 32 - width))
+        acc += prod
+    lanes = (acc[..., 0::2] + acc[..., 1::2]).view(rows, -1, 4, 4)
+    blocks = (lanes[..., 0] + lanes[..., 2]) + (lanes[..., 1] + lanes[..., 3])
+    y = (blocks[..., 0] + blocks[..., 1]) + (blocks[..., 2] + blocks[..., 3])
+    if bias is not None:
+        y = y + bias.float()
     return y.to(torch.bfloat16)
 
 
@@ -195,15 +228,17 @@ class Linear:
         return out
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``_C.bf16_gemv`` on the plain weight; None: the packed path runs instead
-        (the native path was switched off after load)."""
-        ext = _native.extension()
-        if ext is None or x.device.type != "cpu":
+        """``_C.bf16_gemv`` on the plain weight (on the Python path its twin,
+        ``bf16_gemv_torch``); None: the packed path runs instead (input off the CPU)."""
+        if x.device.type != "cpu":
             return None
+        assert self.weight is not None
+        ext = _native.extension()
+        if ext is None:
+            return bf16_gemv_torch(x, self.weight, self.bias)
         if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.in_features):
             x = x.contiguous()
         out = x.new_empty(x.shape[0], self.out_features)
-        assert self.weight is not None
         ext.bf16_gemv(x.data_ptr(), x.stride(0), x.shape[0], self.weight.data_ptr(),
                       0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
                       out.stride(0), self.in_features, self.out_features,
