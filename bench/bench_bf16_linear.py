@@ -1,5 +1,5 @@
 """The bf16-weight GEMM (``_C.bf16_linear``, model/linear.py "panels") side by side
-with its twin (``kernel_twins.bf16_linear_py``: float32 matmul on widened weights),
+with its twin (``kernel_twins.bf16_linear_py``: float64 matmul on widened weights),
 torch's bfloat16 ``F.linear`` and its float32 one on the same weights, at the default
 model's four projection shapes and 1 / 8 / 64 / 256 rows (decode batches, a prefill
 chunk). Prints the CPU model and flags first; GFLOP/s in ``extra_info``.

@@ -9,16 +9,19 @@
 // Weight layout ("panels", built once at load by model/linear.py pack_panels):
 // [ceil(N/16)][K][16] bfloat16, panel p holding output features 16p..16p+15
 // (zero rows past N), so one k step of a panel is 32 contiguous bytes.
-// Blocking as a BLIS-style GEMM: a 6 x 16 register tile (12 accumulators),
-// K in blocks of 256 (the 8 KiB panel block stays in L1 across the row tiles),
-// rows in blocks of 72 (the float32 x block stays in L2 across panels; x is
-// widened once, in chunks of at most 16 MiB of floats).
+// Blocking as a BLIS-style GEMM: a 3 x 16 register tile of doubles (12
+// accumulators), K in blocks of 128 (the panel block, widened to doubles once,
+// 16 KiB, stays in L1 across the row tiles), rows in blocks of 72 (the widened x
+// block stays in L2 across panels; x is widened once, in chunks of at most 16 MiB).
 //
-// Numerics: every output is one float32 FMA chain over k in order (carried
-// exactly through a float32 scratch between K blocks), plus the bias, rounded
-// to nearest even; the portable path does the same chain with std::fma, so
-// both give the same bits. The torch twin sums in MKL's order: equal within
-// float32 rounding before the one bf16 rounding.
+// Numerics: bf16 x bf16 products are exact in double, every output is a float64
+// sum of them (carried through a double scratch between K blocks), rounded to
+// float32, plus the bias in float32, rounded to bf16 (nearest even). The torch
+// twin (model/linear.py bf16_linear_torch) is a float64 matmul, rounded the same
+// way: the sums' orders differ by ~1e-16, so the outputs are the same bits (a
+// float32 tie within that is ~1e-7 likely per output, a bf16 one ~1e-12), and a
+// model's tokens are the same native or not. A float32 sum (the first version)
+// was twice as fast per FMA but no twin can follow its order at a usable speed.
 #include <pybind11/pybind11.h>
 
 #include <cmath>
@@ -39,8 +42,8 @@ namespace enginecore {
 namespace {
 
 constexpr int kNR = 16;   // output features per panel
-constexpr int kMR = 6;    // rows per register tile
-constexpr int kKC = 256;  // k per block
+constexpr int kMR = 3;    // rows per register tile
+constexpr int kKC = 128;  // k per block
 constexpr int kMC = 72;   // rows per block (a multiple of kMR)
 
 inline float bf16_to_f32(uint16_t b) {
@@ -60,7 +63,7 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 struct GemmJob {
-  const float* x;  // [M, K] float32: this chunk's rows of x, widened
+  const double* x;  // [M, K]: this chunk's rows of x, widened
   int64_t M, K, N, panels;
   const uint16_t* w;     // [panels][K][16]
   const uint16_t* bias;  // [N] or nullptr
@@ -69,18 +72,38 @@ struct GemmJob {
   int64_t panels_per_item, n_items;
 };
 
-// c[r][0..16) (+)= sum over k of a[r][k] * w[k][0..16), rows r < mr.
-using TileFn = void (*)(const float* a, int64_t lda, const uint16_t* w, int kc, float* c,
+// c[r][0..16) (+)= sum over k of a[r][k] * w[k][0..16), rows r < mr; w is the
+// panel block widened to doubles.
+using TileFn = void (*)(const double* a, int64_t lda, const double* w, int kc, double* c,
                         int64_t ldc, int mr, bool first);
 
-void tile_portable(const float* a, int64_t lda, const uint16_t* w, int kc, float* c, int64_t ldc,
-                   int mr, bool first) {
+void tile_portable(const double* a, int64_t lda, const double* w, int kc, double* c,
+                   int64_t ldc, int mr, bool first) {
   for (int r = 0; r < mr; ++r) {
-    float acc[kNR];
-    for (int j = 0; j < kNR; ++j) acc[j] = first ? 0.0f : c[r * ldc + j];
+    double acc[kNR];
+    for (int j = 0; j < kNR; ++j) acc[j] = first ? 0.0 : c[r * ldc + j];
     for (int k = 0; k < kc; ++k) {
-      const float av = a[r * lda + k];
-      for (int j = 0; j < kNR; ++j) acc[j] = std::fma(av, bf16_to_f32(w[k * kNR + j]), acc[j]);
+      const double av = a[r * lda + k];
+      for (int j = 0; j < kNR; ++j) acc[j] += av * w[k * kNR + j];
+    }
+    for (int j = 0; j < kNR; ++j) c[r * ldc + j] = acc[j];
+  }
+}
+
+// The same for 1-2 rows straight from the bf16 panel, all of K (a decode step of up to
+// kDirectRows rows calls it per pair of rows): each weight is used a few times, so
+// widening a block to doubles first cost more than the FMAs (3.4x the float32
+// kernel at one row, cache-resident); here it is widened in registers.
+using DirectFn = void (*)(const double* a, int64_t lda, const uint16_t* w, int64_t k,
+                          double* c, int64_t ldc, int mr);
+
+void direct_portable(const double* a, int64_t lda, const uint16_t* w, int64_t K, double* c,
+                     int64_t ldc, int mr) {
+  for (int r = 0; r < mr; ++r) {
+    double acc[kNR] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const double av = a[r * lda + k];
+      for (int j = 0; j < kNR; ++j) acc[j] += av * bf16_to_f32(w[k * kNR + j]);
     }
     for (int j = 0; j < kNR; ++j) c[r * ldc + j] = acc[j];
   }
@@ -92,40 +115,66 @@ void tile_portable(const float* a, int64_t lda, const uint16_t* w, int kc, float
 #pragma GCC target("avx2,fma")
 
 template <int MR>
-inline __attribute__((always_inline)) void tile_avx2_rows(const float* a, int64_t lda,
-                                                          const uint16_t* w, int kc, float* c,
+inline __attribute__((always_inline)) void tile_avx2_rows(const double* a, int64_t lda,
+                                                          const double* w, int kc, double* c,
                                                           int64_t ldc, bool first) {
-  __m256 acc0[MR], acc1[MR];
-#pragma GCC unroll 6
+  __m256d acc[MR][4];
+#pragma GCC unroll 3
   for (int r = 0; r < MR; ++r) {
-    acc0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc);
-    acc1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
-  }
-  for (int k = 0; k < kc; ++k) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNR));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNR + 8));
-    const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
-    const __m256 b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + r * lda + k);
-      acc0[r] = _mm256_fmadd_ps(av, b0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
+    for (int i = 0; i < 4; ++i) {
+      acc[r][i] = first ? _mm256_setzero_pd() : _mm256_loadu_pd(c + r * ldc + 4 * i);
     }
   }
-#pragma GCC unroll 6
+  for (int k = 0; k < kc; ++k) {
+    const double* wk = w + k * kNR;
+#pragma GCC unroll 3
+    for (int r = 0; r < MR; ++r) {
+      const __m256d av = _mm256_broadcast_sd(a + r * lda + k);
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_pd(av, _mm256_load_pd(wk + 4 * i), acc[r][i]);
+    }
+  }
+#pragma GCC unroll 3
   for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(c + r * ldc, acc0[r]);
-    _mm256_storeu_ps(c + r * ldc + 8, acc1[r]);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_pd(c + r * ldc + 4 * i, acc[r][i]);
   }
 }
 
-void tile_avx2(const float* a, int64_t lda, const uint16_t* w, int kc, float* c, int64_t ldc,
+template <int MR>
+inline __attribute__((always_inline)) void direct_avx2_rows(const double* a, int64_t lda,
+                                                            const uint16_t* w, int64_t K,
+                                                            double* c, int64_t ldc) {
+  __m256d acc[MR][4];
+  for (int r = 0; r < MR; ++r) {
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_pd();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    // 16 bf16 -> 16 floats (two 8-wide halves) -> four vectors of 4 doubles.
+    __m256d b[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kNR + 8 * h));
+      const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      b[2 * h] = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+      b[2 * h + 1] = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256d av = _mm256_broadcast_sd(a + r * lda + k);
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_pd(av, b[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int i = 0; i < 4; ++i) _mm256_storeu_pd(c + r * ldc + 4 * i, acc[r][i]);
+  }
+}
+
+void direct_avx2(const double* a, int64_t lda, const uint16_t* w, int64_t K, double* c,
+                 int64_t ldc, int mr) {
+  if (mr == 2) return direct_avx2_rows<2>(a, lda, w, K, c, ldc);
+  return direct_avx2_rows<1>(a, lda, w, K, c, ldc);
+}
+
+void tile_avx2(const double* a, int64_t lda, const double* w, int kc, double* c, int64_t ldc,
                int mr, bool first) {
   switch (mr) {
-    case 6: return tile_avx2_rows<6>(a, lda, w, kc, c, ldc, first);
-    case 5: return tile_avx2_rows<5>(a, lda, w, kc, c, ldc, first);
-    case 4: return tile_avx2_rows<4>(a, lda, w, kc, c, ldc, first);
     case 3: return tile_avx2_rows<3>(a, lda, w, kc, c, ldc, first);
     case 2: return tile_avx2_rows<2>(a, lda, w, kc, c, ldc, first);
     default: return tile_avx2_rows<1>(a, lda, w, kc, c, ldc, first);
@@ -148,6 +197,20 @@ const TileFn& tile_fn() {
   return fn;
 }
 
+const DirectFn& direct_fn() {
+#ifdef ENGINECORE_AVX2_GEMM
+  static const DirectFn fn = tile_fn() == tile_portable ? direct_portable : direct_avx2;
+#else
+  static const DirectFn fn = direct_portable;
+#endif
+  return fn;
+}
+
+// Rows up to which a call takes direct_fn (with the weights streaming from memory:
+// 1 row 9 ms vs 12.5 for the float32 kernel over the default model's 30 layers,
+// 4 rows 27 ms vs 31 through the widened blocks; docs/benchmarks.md).
+constexpr int64_t kDirectRows = 4;
+
 // One work item: rows [m0, m1) x panels [p0, p1), all of K.
 void run_item(void* ctx, int64_t item) {
   const auto& j = *static_cast<const GemmJob*>(ctx);
@@ -157,17 +220,28 @@ void run_item(void* ctx, int64_t item) {
   const int64_t p0 = (item % j.n_items) * j.panels_per_item;
   const int64_t p1 = p0 + j.panels_per_item < j.panels ? p0 + j.panels_per_item : j.panels;
   const int64_t ldc = (p1 - p0) * kNR;
-  // Per thread: the float32 output tile (~72 KiB).
-  thread_local std::vector<float> scratch;
+  // Per thread: the double output tile (~144 KiB) and one widened panel block.
+  thread_local std::vector<double> scratch;
   if (static_cast<int64_t>(scratch.size()) < kMC * ldc) scratch.resize(kMC * ldc);
-  float* c = scratch.data();
-  for (int64_t k0 = 0; k0 < j.K; k0 += kKC) {
+  alignas(32) thread_local double wblock[kKC * kNR];
+  double* c = scratch.data();
+  if (j.M <= kDirectRows) {
+    const DirectFn direct = direct_fn();
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t m = m0; m < m1; m += 2) {
+        direct(j.x + m * j.K, j.K, j.w + p * j.K * kNR, j.K, c + (m - m0) * ldc + (p - p0) * kNR,
+               ldc, static_cast<int>(m1 - m < 2 ? m1 - m : 2));
+      }
+    }
+  }
+  for (int64_t k0 = 0; j.M > kDirectRows && k0 < j.K; k0 += kKC) {
     const int kc = static_cast<int>(j.K - k0 < kKC ? j.K - k0 : kKC);
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* wp = j.w + (p * j.K + k0) * kNR;
+      for (int i = 0; i < kc * kNR; ++i) wblock[i] = bf16_to_f32(wp[i]);
       for (int64_t m = m0; m < m1; m += kMR) {
         const int mr = static_cast<int>(m1 - m < kMR ? m1 - m : kMR);
-        tile(j.x + m * j.K + k0, j.K, wp, kc, c + (m - m0) * ldc + (p - p0) * kNR, ldc, mr,
+        tile(j.x + m * j.K + k0, j.K, wblock, kc, c + (m - m0) * ldc + (p - p0) * kNR, ldc, mr,
              k0 == 0);
       }
     }
@@ -175,10 +249,10 @@ void run_item(void* ctx, int64_t item) {
   const int64_t n0 = p0 * kNR;
   const int64_t n1 = p1 * kNR < j.N ? p1 * kNR : j.N;
   for (int64_t m = m0; m < m1; ++m) {
-    const float* crow = c + (m - m0) * ldc;
+    const double* crow = c + (m - m0) * ldc;
     uint16_t* orow = j.out + m * j.out_stride;
     for (int64_t n = n0; n < n1; ++n) {
-      float v = crow[n - n0];
+      float v = static_cast<float>(crow[n - n0]);
       if (j.bias != nullptr) v += bf16_to_f32(j.bias[n]);
       orow[n] = f32_to_bf16(v);
     }
@@ -188,19 +262,19 @@ void run_item(void* ctx, int64_t item) {
 struct WidenJob {
   const uint16_t* x;
   int64_t x_stride, K;
-  float* dst;
+  double* dst;
 };
 
 void widen_row(void* ctx, int64_t m) {
   const auto& j = *static_cast<const WidenJob*>(ctx);
   const uint16_t* src = j.x + m * j.x_stride;
-  float* dst = j.dst + m * j.K;
+  double* dst = j.dst + m * j.K;
   for (int64_t k = 0; k < j.K; ++k) dst[k] = bf16_to_f32(src[k]);
 }
 
-// Rows of x widened per chunk: at most this many floats (16 MiB) of scratch,
+// Rows of x widened per chunk: at most this many doubles (16 MiB) of scratch,
 // however long the prefill, and at least one row block.
-constexpr int64_t kChunkFloats = 1 << 22;
+constexpr int64_t kChunkDoubles = 1 << 21;
 
 void bf16_linear(uintptr_t x, int64_t x_stride, int64_t rows, uintptr_t panels, uintptr_t bias,
                  uintptr_t out, int64_t out_stride, int64_t in_features, int64_t out_features,
@@ -221,13 +295,13 @@ void bf16_linear(uintptr_t x, int64_t x_stride, int64_t rows, uintptr_t panels, 
   job.bias = reinterpret_cast<const uint16_t*>(bias);
   job.out_stride = out_stride;
   const int threads = num_threads > 1 ? num_threads : 1;
-  int64_t chunk = kChunkFloats / in_features / kMC * kMC;
+  int64_t chunk = kChunkDoubles / in_features / kMC * kMC;
   if (chunk < kMC) chunk = kMC;
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
   auto* ob = reinterpret_cast<uint16_t*>(out);
   py::gil_scoped_release release;
-  // x widened once per chunk, rows in parallel: the tiles broadcast float32 scalars.
-  thread_local std::vector<float> xf;
+  // x widened once per chunk, rows in parallel: the tiles broadcast its doubles.
+  thread_local std::vector<double> xf;
   const int64_t first = rows < chunk ? rows : chunk;
   if (static_cast<int64_t>(xf.size()) < first * in_features) xf.resize(first * in_features);
   for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
@@ -238,7 +312,7 @@ void bf16_linear(uintptr_t x, int64_t x_stride, int64_t rows, uintptr_t panels, 
     job.M = n;
     job.out = ob + r0 * out_stride;
     // About four items per thread, row blocks counted, so uneven finishing evens
-    // out; never over 16 panels per item (256 features: a 72 KiB float32 tile).
+    // out; never over 16 panels per item (256 features: a 144 KiB double tile).
     const int64_t m_items = (n + kMC - 1) / kMC;
     const int64_t target = 4LL * threads;
     int64_t per = (job.panels * m_items + target - 1) / target;
@@ -256,7 +330,7 @@ void bind_bf16_gemm(py::module_& m) {
   m.def("bf16_linear", &bf16_linear, py::arg("x"), py::arg("x_stride"), py::arg("rows"),
         py::arg("panels"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
         py::arg("in_features"), py::arg("out_features"), py::arg("num_threads"),
-        "out[rows, out_features] = x W^T (+ bias), bfloat16 in and out, float32 FMA inside; "
+        "out[rows, out_features] = x W^T (+ bias), bfloat16 in and out, float64 sums inside; "
         "W in 16-feature panels [ceil(N/16)][K][16] (bias 0: none); out must not overlap x.");
 }
 

@@ -3,14 +3,19 @@ pure-Python one (ENGINECORE_NATIVE=0), in float32 and in bfloat16 (the dtype
 ``auto`` picks on AVX-512 BF16 / AMX CPUs): the native kernels (RMSNorm,
 SiLU-and-mul, RoPE, paged attention, the decode GEMV, greedy argmax) against
 their torch twins, end to end through the real engine. Batch 1 runs the decode
-GEMV (1-2 rows) where the CPU has it; three prompts decode on oneDNN's GEMM."""
+GEMV (1-2 rows) where the CPU has it; three prompts decode on oneDNN's GEMM. The
+AVX2 CPUs' bf16 GEMM (``_C.bf16_linear``, "panels") runs here too, forced where
+oneDNN would pack."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from enginecore import SamplingParams, _native
 from enginecore.entrypoints.llm import LLM
+from enginecore.model import linear
+from enginecore.model.cpu_flags import cpu_flags
 
 pytestmark = pytest.mark.slow
 
@@ -38,3 +43,14 @@ def test_greedy_tokens_native_equal_twin(dtype, max_num_seqs):
     native = greedy_tokens(True, dtype, max_num_seqs)
     assert all(len(t) == 32 for t in native)
     assert native == greedy_tokens(False, dtype, max_num_seqs)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="the panels GEMM needs AVX2")
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_bf16_panels_tokens_native_equal_twin(monkeypatch, max_num_seqs):
+    if _native._ext is None:
+        pytest.fail("the native extension is not built; `pip install .` first")
+    monkeypatch.setattr(linear, "cpu_packs_bf16", lambda: False)  # as on an AVX2-only CPU
+    assert linear.packing_enabled(torch.bfloat16, torch.device("cpu")) == "panels"
+    native = greedy_tokens(True, "bfloat16", max_num_seqs)
+    assert native == greedy_tokens(False, "bfloat16", max_num_seqs)

@@ -184,8 +184,9 @@ def cpu_kernels_info() -> dict[str, str | bool | int]:
 def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out: int,
                    out_stride: int, in_features: int, out_features: int,
                    num_threads: int) -> None:
-    """The twin of ``_C.bf16_linear``: out = x W^T (+ bias) in bfloat16, float32 inside,
-    W in ``linear.pack_panels``' layout (bias 0: none)."""
+    """The twin of ``_C.bf16_linear``: out = x W^T (+ bias) in bfloat16, float64 sums
+    inside (``linear.bf16_linear_torch``: the kernel's bits), W in
+    ``linear.pack_panels``' layout (bias 0: none)."""
     if rows < 0 or in_features <= 0 or out_features <= 0:
         raise ValueError("bf16_linear: rows >= 0, in_features > 0, out_features > 0")
     if x_stride < in_features or out_stride < out_features:
@@ -200,7 +201,7 @@ def bf16_linear_py(x: int, x_stride: int, rows: int, panels: int, bias: int, out
                             (in_features * PANEL, PANEL, 1)), out_features)
     b = _view(bias, bf, (out_features,), (1,)) if bias else None
     xs = _view(x, bf, (rows, in_features), (x_stride, 1))
-    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_gemv_torch(xs, w, b))
+    _view(out, bf, (rows, out_features), (out_stride, 1)).copy_(bf16_linear_torch(xs, w, b))
 
 
 def bf16_gemv_py(x: int, x_stride: int, rows: int, weight: int, bias: int, out: int,

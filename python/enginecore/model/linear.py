@@ -12,9 +12,9 @@ bfloat16 on an AVX2-only CPU ("panels"): oneDNN's reorder refuses to run there a
 torch's bf16 matmul measured ~3x slower than its float32 one beyond one row, so
 the weight is laid out in 16-feature panels (``pack_panels``) for the native
 ``_C.bf16_linear``: bf16 weights (half the bytes float32 moves), widened in
-registers, float32 FMA, one rounding to bf16 (``bf16_linear_torch`` is that
-arithmetic in torch; on the Python path the weight stays plain and ``F.linear``
-runs, the same float32-accumulated arithmetic).
+registers, float64 sums, one rounding to float32 and bf16 (``bf16_linear_torch``
+is that arithmetic in torch, which the Python path runs on the same weights: the
+same bits, so the same tokens).
 
 Decode-sized calls (at most ``GEMV_MAX_ROWS`` rows) on a CPU with AVX512_BF16 run
 ``_C.bf16_gemv`` on the plain weight instead: one front-to-back stream of each weight
@@ -68,8 +68,9 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> str | None:
         if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
             return "onednn"
         return None
-    ext = _native.extension()
-    if ext is not None and ext.cpu_kernels_info().get("bf16_linear") == "avx2":
+    # By the CPU's flags, not the switch: the Python path runs the panels' twin
+    # (bf16_linear_torch) where the native one runs _C.bf16_linear, for the same bits.
+    if {"avx2", "fma"} <= cpu_flags():
         return "panels"
     return None
 
@@ -111,9 +112,10 @@ def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def bf16_linear_torch(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
-    """``_C.bf16_linear``'s arithmetic in torch: float32 products and sums (in MKL's
-    order), the bias added in float32, one rounding to bfloat16."""
-    y = x.float() @ weight.float().T
+    """``_C.bf16_linear``'s arithmetic in torch: exact products summed in float64 (in
+    MKL's order: ~1e-16 from the kernel's, the same float32 after rounding), the bias
+    added in float32, one rounding to bfloat16."""
+    y = (x.double() @ weight.double().T).float()
     if bias is not None:
         y += bias.float()
     return y.to(torch.bfloat16)
