@@ -1,5 +1,5 @@
 // bf16_gemv <-> python/enginecore/model/kernel_twins.py bf16_gemv_py:
-// y = x W^T (+ b) for 1-4 rows of bfloat16 x against the plain [N][K] bfloat16
+// y = x W^T (+ b) for 1-4 rows (model/linear.py sends 1-2) of bfloat16 x against the plain [N][K] bfloat16
 // weight, on CPUs with AVX512_BF16 (Zen 4+, Cooper Lake, Sapphire Rapids+).
 //
 // Why: a decode step of a few sequences reads every weight once and does two
@@ -7,8 +7,9 @@
 // packed bf16 GEMM (model/linear.py "onednn") streamed them at 18.5 GB/s on the
 // 2-core AVX-512 EPYC, 40 % of what the cores read (docs/benchmarks.md). Here each
 // weight row is read once, front to back (consecutive rows are consecutive in
-// memory: one stream per thread), 32 weights per VDPBF16PS against the resident x,
-// and 16 rows' dot products come out of one transpose-and-add tree.
+// memory: one stream per thread), 32 weights per load against the resident x
+// (widened to float32 once per call), and 16 rows' dot products come out of one
+// transpose-and-add tree.
 //
 // Numerics, defined so a torch twin replays them bit for bit (model/linear.py
 // bf16_gemv_torch): a bf16 x bf16 product is exact in float32, so each weight

@@ -294,7 +294,9 @@ def test_malformed_frames_are_dropped_and_engine_serves(client, frames):
 
 
 def test_duplicate_live_id_rejected_without_disturbing_first(client):
-    first = EngineCoreRequest("dup", [1, 2, 3], SamplingParams(max_tokens=50, seed=4))
+    # Long enough that the first is still live when the duplicate comes (at 50
+    # synthetic tokens it once finished first on a loaded machine).
+    first = EngineCoreRequest("dup", [1, 2, 3], SamplingParams(max_tokens=2000, seed=4))
     client.add_request(first)
     with pytest.raises(ValueError, match="already live"):
         client.add_request(EngineCoreRequest("dup", [9], SamplingParams(max_tokens=1)))
@@ -303,7 +305,7 @@ def test_duplicate_live_id_rejected_without_disturbing_first(client):
     client.input_socket.send_multipart([client.identity, b"\x00", raw])
     got = drain(client, {"dup"})
     ref = synthetic_engine(block_size=4)
-    ref.add_request(EngineCoreRequest("dup", [1, 2, 3], SamplingParams(max_tokens=50, seed=4)))
+    ref.add_request(EngineCoreRequest("dup", [1, 2, 3], SamplingParams(max_tokens=2000, seed=4)))
     assert got["dup"]["tokens"] == run_to_completion(ref)["dup"]["tokens"]
 
 

@@ -225,8 +225,9 @@ def team_thread_ids(num_threads: int) -> list[int]:
 def bf16_gemv(x: int, x_stride: int, rows: int, weight: int, bias: int, out: int,
               out_stride: int, in_features: int, out_features: int, num_threads: int) -> None:
     """out[rows, out_features] = x W^T (+ bias) for 1-4 rows, bfloat16 in and out, the
-    plain [out_features, in_features] weight read once, VDPBF16PS inside (bias 0: none;
-    raises RuntimeError without AVX512_BF16). Twin: ``model.kernel_twins.bf16_gemv_py``."""
+    plain [out_features, in_features] weight read once, exact products in a fixed float32
+    order (bias 0: none; raises RuntimeError without AVX512_BF16). Twin:
+    ``model.kernel_twins.bf16_gemv_py``, the same bits."""
 
 def bf16_gemv_available() -> bool:
-    """Whether this CPU runs ``bf16_gemv`` (AVX512_BF16). Twin: False."""
+    """Whether this CPU runs ``bf16_gemv`` (AVX512_BF16). Twin: the same, by CPU flags."""

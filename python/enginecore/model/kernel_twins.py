@@ -22,8 +22,13 @@ from enginecore import _native
 from enginecore.loaded_libraries import loaded_library_path
 from enginecore.model.cpu_flags import cpu_flags
 from enginecore.model.fused_ops import rms_norm_torch, silu_and_mul_torch
-from enginecore.model.linear import (PANEL, bf16_gemv_torch, bf16_linear_torch,
-                                     gemv_cpu_supported, unpack_panels)
+from enginecore.model.linear import (
+    PANEL,
+    bf16_gemv_torch,
+    bf16_linear_torch,
+    gemv_cpu_supported,
+    unpack_panels,
+)
 from enginecore.model.rope import apply_rope
 
 # The kernels' dtype codes (csrc/cpu_kernels.h DType).
