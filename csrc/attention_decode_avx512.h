@@ -139,8 +139,12 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
     for (int c0 = 0; c0 < C; c0 += CC) {
       __m512d acc[R][CC];
       for (int r = 0; r < R; ++r) {
+        // A factor of 0 drops what came before (an inf V too), as in attend_item.
         const __m512d cv = _mm512_set1_pd(corr[r]);
-        for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_mul_pd(_mm512_load_pd(&A[r][8 * (c0 + c)]), cv);
+        for (int c = 0; c < CC; ++c) {
+          acc[r][c] = corr[r] == 0.0 ? _mm512_setzero_pd()
+                                     : _mm512_mul_pd(_mm512_load_pd(&A[r][8 * (c0 + c)]), cv);
+        }
       }
       for (int j = 0; j < n; ++j) {
         const T* vp = vc + off[j] + 8 * c0;
@@ -164,7 +168,7 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
-    const double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+    const double inv = 1.0 / l[r];  // l = 0 (nothing visible): NaN out, as attend_item
     const double* ar = A[r];
 #pragma omp simd
     for (int d = 0; d < D; ++d) from_f32(static_cast<float>(ar[d] * inv), dst + d);

@@ -101,7 +101,10 @@ ECK_INLINE ItemSpan item_span(const AttnParams& p, const AttnItem& it) {
 // qp): soft cap, causal / window mask, then the online softmax: the scores become
 // weights against the running max m (updated with the running sum l). Returns the
 // factor what the row accumulated before must be scaled by (1 when the max stayed,
-// and when nothing in the tile is visible: weights 0, m and l untouched).
+// and when nothing in the tile is visible: weights 0, m and l untouched). As torch's
+// softmax: a visible NaN score makes the row NaN (l = NaN: a tile of nothing but NaN
+// would otherwise pass for an empty one), and a row with nothing visible (l = 0 at
+// the end) comes out NaN.
 ECK_INLINE double softmax_tile_row(const AttnParams& p, double* sr, int n, int t0, int qp,
                                    double& m, double& l) {
   if (p.soft_cap > 0.0) {
@@ -123,7 +126,12 @@ ECK_INLINE double softmax_tile_row(const AttnParams& p, double* sr, int n, int t
 #pragma omp simd reduction(max : mt)
   for (int j = 0; j < n; ++j) mt = sr[j] > mt ? sr[j] : mt;
   if (mt == -__builtin_inf()) {  // nothing visible in this tile: weights 0
-    for (int j = 0; j < n; ++j) sr[j] = 0.0;
+    bool nan = false;
+    for (int j = 0; j < n; ++j) {
+      nan |= sr[j] != sr[j];
+      sr[j] = 0.0;
+    }
+    if (nan) l = __builtin_nan("");
     return 1.0;
   }
   const double m_new = mt > m ? mt : m;
@@ -239,9 +247,11 @@ void attend_item(const AttnParams& p, const AttnItem& it, double* buf) {
     for (int r = 0; r < R; ++r) {
       const double corr = softmax_tile_row(p, S + r * kTile, n, t0, qpos[r], m[r], l[r]);
       if (corr != 1.0) {
+        // A factor of 0 (the max jumped past exp_f64's range) drops what came before,
+        // as the twin's weights of 0 there do, even an inf V it had added.
         double* ar = acc + r * D;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) ar[d] *= corr;
+        for (int d = 0; d < D; ++d) ar[d] = corr == 0.0 ? 0.0 : ar[d] * corr;
       }
     }
     // Values: each V row widened once (into the K tile's buffer, now free),
@@ -271,7 +281,7 @@ void attend_item(const AttnParams& p, const AttnItem& it, double* buf) {
     const int i = it.q0 + r / G;
     const int h = it.kvh * G + r % G;
     T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
-    const double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+    const double inv = 1.0 / l[r];  // l = 0 (nothing visible): 0 * inf = NaN, as torch
     const double* ar = acc + r * D;
 #pragma omp simd
     for (int d = 0; d < D; ++d) from_f32(static_cast<float>(ar[d] * inv), dst + d);

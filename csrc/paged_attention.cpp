@@ -63,8 +63,20 @@ void paged_attention(uintptr_t out, int64_t out_st, int64_t out_sh, uintptr_t q,
   if (dtype != static_cast<int>(DType::kFloat32) && dtype != static_cast<int>(DType::kBFloat16)) {
     throw std::invalid_argument("paged_attention: dtype must be float32 or bfloat16");
   }
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) {
+  if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 ||
+      block_size <= 0 || num_seqs < 0) {
     throw std::invalid_argument("paged_attention: bad head or block sizes");
+  }
+  {
+    const auto* qs = reinterpret_cast<const int32_t*>(query_start);
+    const auto* lens = reinterpret_cast<const int32_t*>(seq_lens);
+    for (int s = 0; s < num_seqs; ++s) {
+      const int32_t qlen = qs[s + 1] - qs[s];
+      if (qlen < 0 || lens[s] < qlen) {
+        throw std::invalid_argument(
+            "paged_attention: a sequence has fewer context positions than query tokens");
+      }
+    }
   }
   AttnParams p{};
   p.dtype = static_cast<DType>(dtype);

@@ -151,3 +151,15 @@ def test_gemv_copy_is_kept_by_size_and_switch(monkeypatch):
         assert gemv_enabled("onednn", 1 << 20) and not gemv_enabled("onednn", 1 << 40)
         monkeypatch.setenv("ENGINECORE_BF16_GEMV", "1")
         assert gemv_enabled("onednn", 1 << 40)
+
+
+@needs_gemv
+def test_a_product_past_float32s_range_is_fused_as_the_kernel_fuses_it():
+    """The twin replays the FMA (product and sum exact, one rounding): 2^64 * 2^64
+    added to -1.5 * 2^127 is 2^126 there; a float32 product would be inf first."""
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(1, 64, dtype=torch.bfloat16)
+    x[0, 0], w[0, 0] = -1.5 * 2.0**63, 2.0**64  # lane 0 of chunk 0: -1.5 * 2^127
+    x[0, 32], w[0, 32] = 2.0**64, 2.0**64  # lane 0 of chunk 1: 2^128
+    native, twin = _run("native", x, w, None), _run("python", x, w, None)
+    assert same_bits(native, twin) and native.item() == 2.0**126

@@ -15,13 +15,14 @@ import zmq
 
 from enginecore import _native
 from enginecore.model import kernel_twins
-from enginecore.model.attention import paged_attention_args
+from enginecore.model.attention import paged_attention_args, paged_attention_torch
 from enginecore.model.fused_ops import rms_norm_args, silu_and_mul_args
 from enginecore.model.rope import rope_args
 from enginecore.model.sampler import greedy_argmax_args
 from enginecore.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from enginecore.sched import block_hash
 from enginecore.serial import OutputEncoder, encode_columnar_py, libzmq_path_py, send_columnar_py
+from helpers import same_bits
 from test_paged_attention import make_case
 
 C = _native._ext
@@ -45,6 +46,88 @@ def test_paged_attention_twin_writes_the_cache_and_attends_as_the_kernel(dtype, 
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert not outs[1].isnan().any()
     assert torch.equal(outs[1], outs[0])  # float64 inside both: the same bits
+
+
+def _attend_all(q, k, v, k_cache, v_cache, meta, scale=0.25, window=0, cap=0.0):
+    """The kernel, its raw twin and the model's tensor twin on copies of the caches."""
+    outs = []
+    for fn in (C.paged_attention, kernel_twins.paged_attention_py):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = q.new_full(q.shape, 7.0)
+        fn(*paged_attention_args(out, q, k, v, kc, vc, meta, scale, window, cap))
+        outs.append(out)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    outs.append(paged_attention_torch(q, k, v, kc, vc, meta, scale, window or None,
+                                      cap or None).view(q.shape))
+    for other in outs[1:]:
+        assert same_bits(outs[0], other)
+    return outs[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80])  # the AVX-512 decode path and the generic one
+def test_nan_scores_and_rows_with_nothing_visible_are_nan_on_every_path(dtype, head_dim):
+    """As torch's softmax: a NaN score (a NaN in q, a whole tile of NaN K, a NaN scale)
+    makes the row NaN, and so does a row whose every score is -inf; a broken model
+    shows on both paths instead of the native one answering with zeros."""
+    rng = np.random.default_rng(head_dim)
+    q, k, v, kc, vc, meta, slots = make_case(rng, dtype, 2, 1, head_dim, 16, [(40, 1), (40, 1)])
+    q[0, 0, 0] = float("nan")
+    out = _attend_all(q, k, v, kc, vc, meta)
+    assert out[0, 0].isnan().all() and not out[0, 1].isnan().any() and out[1].isfinite().all()
+    kc[torch.from_numpy(slots[1][:32])] = float("nan")  # one whole tile of sequence 1
+    assert _attend_all(q, k, v, kc, vc, meta)[1].isnan().all()
+    assert _attend_all(q, k, v, kc, vc, meta, scale=float("nan")).isnan().all()
+    q2, k2, v2, kc2, vc2, meta2, _ = make_case(rng, dtype, 1, 1, head_dim, 16, [(9, 1)])
+    q2.fill_(1.0)
+    kc2.fill_(float("-inf"))
+    k2.fill_(float("-inf"))
+    assert _attend_all(q2, k2, v2, kc2, vc2, meta2).isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_poisoned_v_reaches_only_the_rows_that_see_it_on_every_path(dtype, poison):
+    """A non-finite V at the last prefill token: only that token's rows see it (the
+    causal mask gives the others a weight of 0, and 0 adds nothing, even times NaN);
+    likewise a position whose weight underflows below exp's range."""
+    rng = np.random.default_rng(3)
+    q, k, v, kc, vc, meta, _ = make_case(rng, dtype, 2, 1, 80, 16, [(0, 12)])
+    v[11] = poison
+    out = _attend_all(q, k, v, kc, vc, meta)
+    assert out[:11].isfinite().all() and not out[11].isfinite().any()
+    q2, k2, v2, kc2, vc2, meta2, slots = make_case(rng, dtype, 1, 1, 64, 16, [(20, 1)])
+    q2.fill_(0.0)
+    q2[..., 0] = 1.0
+    kc2[torch.from_numpy(slots[0][:20]), :, 0] = 0.0
+    kc2[int(slots[0][5]), :, 0] = -3000.0  # its weight: e^-750, below range
+    vc2[int(slots[0][5])] = poison
+    k2[..., 0] = 0.0
+    assert _attend_all(q2, k2, v2, kc2, vc2, meta2, scale=1.0).isfinite().all()
+
+
+@pytest.mark.parametrize("cap", [0.0, -2.0, float("nan")])
+def test_a_soft_cap_that_is_not_positive_is_none_on_every_path(cap):
+    rng = np.random.default_rng(5)
+    q, k, v, kc, vc, meta, _ = make_case(rng, torch.float32, 4, 2, 64, 16, [(30, 1), (0, 5)])
+    assert torch.equal(_attend_all(q, k, v, kc, vc, meta, cap=cap),
+                       _attend_all(q, k, v, kc, vc, meta))
+
+
+@pytest.mark.parametrize("fn", [C.paged_attention if C else None,
+                                kernel_twins.paged_attention_py])
+def test_bad_heads_and_short_contexts_are_refused_alike(fn):
+    rng = np.random.default_rng(9)
+    q, k, v, kc, vc, meta, _ = make_case(rng, torch.float32, 2, 1, 16, 4, [(3, 2)])
+    args = list(paged_attention_args(q.clone(), q, k, v, kc, vc, meta, 0.25))
+    for heads, kv_heads in ((0, 1), (-4, 2), (2, 0), (3, 2)):
+        bad = args.copy()
+        bad[23], bad[24] = heads, kv_heads  # num_heads, num_kv_heads
+        with pytest.raises(ValueError, match="head"):
+            fn(*bad)
+    meta.seq_lens[0] = 1  # two query tokens, one context position
+    with pytest.raises(ValueError, match="fewer context positions"):
+        fn(*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

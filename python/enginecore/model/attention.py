@@ -182,8 +182,8 @@ def paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window
         kh = k_cache.index_select(0, p.ctx_slots).transpose(0, 1)
         vh = v_cache.index_select(0, p.ctx_slots).transpose(0, 1)
         if q.device.type == "cpu":
-            o = _attend_f64(qh, kh, vh, p.mask, scale, logits_soft_cap)
-        elif logits_soft_cap:
+            o = attend_f64(qh, kh, vh, p.mask, scale, logits_soft_cap)
+        elif soft_cap_on(logits_soft_cap):
             scores = _soft_cap(torch.matmul(qh, kh.transpose(-1, -2)).float() * scale,
                                logits_soft_cap)
             probs = torch.softmax(scores.masked_fill(~p.mask, float("-inf")), dim=-1)
@@ -198,14 +198,45 @@ def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(scores / cap) * cap
 
 
-def _attend_f64(q, k, v, mask, scale, logits_soft_cap=None) -> torch.Tensor:
+def soft_cap_on(cap: float | None) -> bool:
+    """Whether a logit soft cap applies: a positive one (the kernel ignores <= 0 and NaN)."""
+    return cap is not None and cap > 0
+
+
+# exp of anything below this is 0 in the kernel (exp_f64: doubles go subnormal there).
+_EXP_FLOOR = -708.0
+
+
+def attend_f64(q, k, v, mask, scale, logits_soft_cap=None) -> torch.Tensor:
     """softmax(q k^T * scale (capped), masked) v in float64, rounded to float32 and
-    then q's dtype: the native kernel's arithmetic up to the order of its sums."""
+    then q's dtype: the native kernel's arithmetic up to the order of its sums, and
+    its edges: a visible NaN score or a row with nothing visible gives NaN (torch's
+    softmax does too), exp below -708 is 0, and a position whose weight is 0 adds
+    nothing even where its V is inf or NaN (0 * NaN would poison the row)."""
     scores = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
-    if logits_soft_cap:
+    if soft_cap_on(logits_soft_cap):
         scores = _soft_cap(scores, logits_soft_cap)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(probs, v.double()).float().to(q.dtype)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    shifted = scores - scores.amax(-1, keepdim=True)
+    weights = torch.exp(shifted).masked_fill(shifted < _EXP_FLOOR, 0.0)
+    # Normalised as the kernel does, the weighted sum times 1 / (sum of weights): with
+    # equal weights (a single position, equal scores) the sum is exact in float64 and
+    # both sides give the same bits even where it sits on a float32 tie.
+    inv = 1.0 / weights.sum(-1, keepdim=True)
+    v = v.double()
+    finite = v.isfinite()
+    if bool(finite.all()):
+        return (torch.matmul(weights, v) * inv).float().to(q.dtype)
+    out = torch.matmul(weights, torch.where(finite, v, 0.0)) * inv
+    # What the V rows with inf / NaN make of the rows that see them (weight > 0).
+    seen = (weights > 0).double()
+    nan = torch.matmul(seen, v.isnan().double()) > 0
+    pos = torch.matmul(seen, (v == float("inf")).double()) > 0
+    neg = torch.matmul(seen, (v == float("-inf")).double()) > 0
+    out = torch.where(pos, float("inf"), out)
+    out = torch.where(neg, float("-inf"), out)
+    out = torch.where(nan | (pos & neg) | out.isnan(), float("nan"), out)
+    return out.float().to(q.dtype)
 
 
 def _decode(q, k_cache, v_cache, tables: TorchTables, scale, Hkv, G, logits_soft_cap=None):
@@ -215,12 +246,12 @@ def _decode(q, k_cache, v_cache, tables: TorchTables, scale, Hkv, G, logits_soft
     kd = k_cache.index_select(0, slots.reshape(-1)).view(Bd, L, Hkv, D).transpose(1, 2)
     vd = v_cache.index_select(0, slots.reshape(-1)).view(Bd, L, Hkv, D).transpose(1, 2)
     if q.device.type == "cpu":
-        return _attend_f64(q.view(Bd, Hkv, G, D), kd, vd, tables.decode_mask, scale,
+        return attend_f64(q.view(Bd, Hkv, G, D), kd, vd, tables.decode_mask, scale,
                            logits_soft_cap).reshape(Bd, H, D)
     # Plain batched matmuls: with G query rows per KV head, SDPA's CPU flash kernel
     # (built for long queries) took ~4x longer than this at batch 64 (profiled).
     scores = torch.matmul(q.view(Bd, Hkv, G, D), kd.transpose(-1, -2)).float() * scale
-    if logits_soft_cap:
+    if soft_cap_on(logits_soft_cap):
         scores = _soft_cap(scores, logits_soft_cap)
     scores = scores.masked_fill(~tables.decode_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(vd.dtype)

@@ -20,6 +20,7 @@ import torch
 
 from enginecore import _native
 from enginecore.loaded_libraries import loaded_library_path
+from enginecore.model.attention import attend_f64
 from enginecore.model.cpu_flags import cpu_flags
 from enginecore.model.fused_ops import rms_norm_torch, silu_and_mul_torch
 from enginecore.model.linear import (
@@ -65,11 +66,15 @@ def paged_attention_py(out: int, out_st: int, out_sh: int, q: int, q_st: int, q_
     context (causal, optional sliding window and logit soft cap), in float64 rounded
     once to float32 and the model dtype, as the kernel: the same bits."""
     dt = _dtype(dtype, "paged_attention")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0 or head_dim <= 0 or block_size <= 0:
+    if (num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads != 0 or head_dim <= 0
+            or block_size <= 0 or num_seqs < 0):
         raise ValueError("paged_attention: bad head or block sizes")
     hkv, group, d, bs = num_kv_heads, num_heads // num_kv_heads, head_dim, block_size
     qs = _view(query_start, torch.int32, (num_seqs + 1,), (1,)).tolist()
     lens = _view(seq_lens, torch.int32, (num_seqs,), (1,)).tolist()
+    if any(qs[s + 1] - qs[s] < 0 or lens[s] < qs[s + 1] - qs[s] for s in range(num_seqs)):
+        raise ValueError(
+            "paged_attention: a sequence has fewer context positions than query tokens")
     width = max(((n + bs - 1) // bs for n in lens), default=0)
     table = _view(block_table, torch.int32, (num_seqs, width), (bt_stride, 1)).long()
     slots = _view(slot_mapping, torch.int64, (num_tokens,), (1,))
@@ -96,20 +101,17 @@ def paged_attention_py(out: int, out_st: int, out_sh: int, q: int, q_st: int, q_
             continue
         pos = torch.arange(ctx)
         ctx_slots = table[s, pos // bs] * bs + pos % bs
-        # float64 inside, rounded once at the end: the kernel's arithmetic
-        keys = kc.index_select(0, ctx_slots).double()  # [ctx, hkv, d]
-        values = vc.index_select(0, ctx_slots).double()
-        queries = q_all[start:end].double().view(n, hkv, group, d)
-        scores = torch.einsum("nkgd,ckd->kgnc", queries, keys) * scale
-        if soft_cap:
-            scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(ctx - n, ctx)
         visible = pos[None, :] <= q_pos[:, None]
         if sliding_window > 0:
             visible &= pos[None, :] > (q_pos[:, None] - sliding_window)
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        attended = torch.einsum("kgnc,ckd->nkgd", probs, values)
-        out_all[start:end] = attended.reshape(n, num_heads, d).float().to(dt)
+        # [hkv, group, n, d] against [hkv, 1, ctx, d]: attention's float64 twin, rounded
+        # once at the end (the kernel's arithmetic and edges)
+        attended = attend_f64(q_all[start:end].view(n, hkv, group, d).permute(1, 2, 0, 3),
+                               kc.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(1),
+                               vc.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(1),
+                               visible, scale, soft_cap)
+        out_all[start:end] = attended.permute(2, 0, 1, 3).reshape(n, num_heads, d)
 
 
 def rms_norm_py(x: int, x_stride: int, delta: int, delta_stride: int, weight: int, out: int,

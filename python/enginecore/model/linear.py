@@ -124,19 +124,23 @@ def bf16_linear_torch(x: torch.Tensor, weight: torch.Tensor,
 def bf16_gemv_torch(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """``_C.bf16_gemv``'s arithmetic in torch, bit for bit (csrc/bf16_gemv.cpp): the
-    bf16 products (exact in float32) of each 32-element chunk added, chunk after
-    chunk, into 32 float32 accumulators (lane l: elements 2l and 2l + 1); then even +
-    odd per lane, the 16 lanes by hsum16's tree, the bias in float32, one rounding.
-    One torch op per chunk: slower than the kernel, the same bits."""
+    bf16 products of each 32-element chunk fused-multiply-added, chunk after chunk,
+    into 32 float32 accumulators (lane l: elements 2l and 2l + 1); then even + odd per
+    lane, the 16 lanes by hsum16's tree, the bias in float32, one rounding.
+    The FMA is replayed in float64: the product is exact there, the sum with the
+    float32 accumulator exact or off by less than float32 can see, so one rounding to
+    float32 is the FMA's (also for products past float32's range, which a float32
+    product would round first). A few torch ops per chunk: slower than the kernel,
+    the same bits."""
     rows, k = x.shape
-    xf = x.float()
+    xd = x.double()
     acc = x.new_zeros(rows, weight.shape[0], 32, dtype=torch.float32)
     for c0 in range(0, k, 32):
         width = min(32, k - c0)
-        prod = xf[:, None, c0 : c0 + width] * weight[:, c0 : c0 + width].float()
+        prod = xd[:, None, c0 : c0 + width] * weight[:, c0 : c0 + width].double()
         if width < 32:  # the kernel's zero padding adds +0 to the other lanes
             prod = F.pad(prod, (0, 32 - width))
-        acc += prod
+        acc = (acc.double() + prod).float()
     lanes = (acc[..., 0::2] + acc[..., 1::2]).view(rows, -1, 4, 4)
     blocks = (lanes[..., 0] + lanes[..., 2]) + (lanes[..., 1] + lanes[..., 3])
     y = (blocks[..., 0] + blocks[..., 1]) + (blocks[..., 2] + blocks[..., 3])
