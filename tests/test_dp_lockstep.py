@@ -169,6 +169,17 @@ def test_coordinator_wave_rules():
     assert dense.on_front_end(WaveStartRequest(0, 0)) is None
 
 
+def test_a_rank_registering_during_a_wave_is_sent_it():
+    # The wave's broadcast went out before this rank registered: it gets the wave
+    # alone, or the other ranks would wait for it at the all-reduce for ever.
+    coord = DPCoordinator(2, lockstep=True)
+    assert coord.on_register(b"\x00\x00") is None  # idle: nothing to join
+    assert coord.on_front_end(WaveStartRequest(0, 0)) == (0, -1)
+    assert coord.on_register(b"\x01\x00") == (0, -1)
+    assert coord.registered == {b"\x00\x00", b"\x01\x00"}
+    assert DPCoordinator(2, lockstep=False).on_register(b"\x00\x00") is None
+
+
 def test_pause_abort_staggered_pauses_and_requests_while_paused():
     async def main():
         cfg = lockstep_config(synthetic_step_latency_s=0.002)

@@ -92,6 +92,15 @@ class DPCoordinator:
         # it still meets the others at the wave's all-reduce.
         return self._start(msg.wave, exclude=-1)
 
+    def on_register(self, ident: bytes) -> tuple[int, int] | None:
+        """A rank's input registers: (wave, excluded rank) to send that rank, if a
+        wave runs. It started before the rank registered, so its broadcast missed
+        the rank, and the others would wait for it at the wave's all-reduce."""
+        self.registered.add(ident)
+        if self.lockstep and self.engines_running:
+            return self.current_wave, -1
+        return None
+
     def _start(self, wave: int, exclude: int) -> tuple[int, int]:
         self.current_wave = wave
         self.engines_running = True
@@ -154,9 +163,10 @@ def _serve(ctx: zmq.Context, dp_size: int, lockstep: bool, bind: dict[str, str],
     last_publish = 0.0
     published_wave = (0, False)
 
-    def broadcast(wave: int, exclude: int) -> None:
+    def broadcast(wave: int, exclude: int, to: list[bytes] | None = None) -> None:
         payload = status_enc.encode(StartDPWave(wave, exclude))
-        for ident in sorted(coord.registered):  # a copy: failures shrink the set
+        # Every registered rank, or those in ``to``; a copy: failures shrink the set.
+        for ident in sorted(coord.registered) if to is None else to:
             try:
                 engine_router.send_multipart([ident, _START_DP_WAVE, payload])
             except zmq.ZMQError as e:  # a rank that went away (or left in a rescale)
@@ -192,7 +202,9 @@ def _serve(ctx: zmq.Context, dp_size: int, lockstep: bool, bind: dict[str, str],
                 except zmq.Again:
                     break
                 if len(frames) == 2 and len(frames[0]) == 2 and frames[1] == b"":
-                    coord.registered.add(frames[0])  # a rank's input registering
+                    start = coord.on_register(frames[0])  # a rank's input registering
+                    if start is not None:
+                        broadcast(*start, to=[frames[0]])
                 else:
                     logger.warning("dropped a %d-frame message from a rank", len(frames))
         if engine_in in events:
