@@ -3,9 +3,9 @@
 // One call per layer: writes the step's new K/V into the cache by slot, then
 // attends every sequence's query tokens over its context, read in place
 // through the block table (no gather), grouped-query heads sharing each K/V
-// row, float64 arithmetic (rounded once, at the end) and an online softmax. Work items are (sequence,
-// KV head, chunk of query tokens), spread over torch's OpenMP threads without
-// the GIL.
+// row, float64 arithmetic (rounded once, at the end) and an online softmax.
+// Work items are (sequence, KV head, chunk of query tokens), spread over
+// torch's OpenMP threads without the GIL.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
