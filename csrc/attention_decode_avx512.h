@@ -163,16 +163,7 @@ void attend_decode_avx512(const AttnParams& p, const AttnItem& it) {
       }
     }
   }
-  T* out = static_cast<T*>(p.out);
-  for (int r = 0; r < R; ++r) {
-    const int i = it.q0 + r / G;
-    const int h = it.kvh * G + r % G;
-    T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
-    const double inv = 1.0 / l[r];  // l = 0 (nothing visible): NaN out, as attend_item
-    const double* ar = A[r];
-#pragma omp simd
-    for (int d = 0; d < D; ++d) from_f32(static_cast<float>(ar[d] * inv), dst + d);
-  }
+  for (int r = 0; r < R; ++r) write_row<T>(p, it, qstart, r, G, D, A[r], l[r]);
 }
 
 // The item on registers when its shape has a path here; false: the caller's

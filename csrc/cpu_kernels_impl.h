@@ -97,6 +97,21 @@ ECK_INLINE ItemSpan item_span(const AttnParams& p, const AttnItem& it) {
   return {qstart, first_pos, lo, first_pos + it.q1 - 1};
 }
 
+// Row r's result (rows: each query token's G heads of the item's KV head): the
+// weighted sum acc times 1 / l, rounded once to float32 and the model dtype, into
+// its token's head. l = 0 (nothing visible) gives 0 * inf = NaN, as torch's softmax.
+template <typename T>
+ECK_INLINE void write_row(const AttnParams& p, const AttnItem& it, int qstart, int r, int G,
+                          int D, const double* acc, double l) {
+  const int i = it.q0 + r / G;
+  const int h = it.kvh * G + r % G;
+  T* dst = static_cast<T*>(p.out) + static_cast<int64_t>(qstart + i) * p.out_st +
+           static_cast<int64_t>(h) * p.out_sh;
+  const double inv = 1.0 / l;
+#pragma omp simd
+  for (int d = 0; d < D; ++d) from_f32(static_cast<float>(acc[d] * inv), dst + d);
+}
+
 // One row's scores of one tile (positions t0 .. t0 + n - 1; the row's own position
 // qp): soft cap, causal / window mask, then the online softmax: the scores become
 // weights against the running max m (updated with the running sum l). Returns the
@@ -276,16 +291,7 @@ void attend_item(const AttnParams& p, const AttnItem& it, double* buf) {
       }
     }
   }
-  T* out = static_cast<T*>(p.out);
-  for (int r = 0; r < R; ++r) {
-    const int i = it.q0 + r / G;
-    const int h = it.kvh * G + r % G;
-    T* dst = out + static_cast<int64_t>(qstart + i) * p.out_st + static_cast<int64_t>(h) * p.out_sh;
-    const double inv = 1.0 / l[r];  // l = 0 (nothing visible): 0 * inf = NaN, as torch
-    const double* ar = acc + r * D;
-#pragma omp simd
-    for (int d = 0; d < D; ++d) from_f32(static_cast<float>(ar[d] * inv), dst + d);
-  }
+  for (int r = 0; r < R; ++r) write_row<T>(p, it, qstart, r, G, D, acc + r * D, l[r]);
 }
 
 #ifdef ECK_AVX512_DECODE

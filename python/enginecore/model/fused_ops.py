@@ -36,7 +36,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
     dtype = x.dtype
     if x.device.type == "cpu":
         x64 = x.double()
-        xf = (x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).float()
+        xf = (x64 * (1.0 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps))).float()
     else:
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
