@@ -40,6 +40,8 @@ class BlockPool {
   // One reference less; at zero the block joins the back of the free queue.
   // Throws std::runtime_error on a double free.
   void release(int32_t block);
+  // A hint that `h` is about to be cached or looked up.
+  void prefetch(const Hash32& h) const { cached_.prefetch(h); }
   // Register a full block under `h` unless it has a hash or `h` is taken.
   void cache(int32_t block, const Hash32& h);
   // Forget the block's hash.

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "pyref.h"
@@ -67,13 +68,38 @@ void check_hashable(const int64_t* begin, const int64_t* end) {
   }
 }
 
+// The largest message extend_hashes builds on the stack for one new block.
+constexpr size_t kOneBlockMessage = 512;
+
 void RequestTable::extend_hashes(Row& r) {
   if (!r.hash_blocks) return;
   const size_t bs = static_cast<size_t>(block_size_);
   const size_t done = r.hashes.size();
+  // Called per token: most calls fill no block (a product, not a division, says so).
+  if (r.tokens.size() < (done + 1) * bs) return;
   const size_t full = r.tokens.size() / bs;
-  if (full <= done) return;
   uint8_t root[32] = {0};
+  const size_t msg_len = 32 + 4 * bs + r.extra_keys.size();
+  if (full - done == 1 && done >= r.block_extra_keys.size() && msg_len <= kOneBlockMessage) {
+    // The decode step's case: one block just filled, no keys of its own. One
+    // message on the stack (the chain below allocates its buffers).
+    uint8_t msg[kOneBlockMessage];
+    std::memcpy(msg, done ? r.hashes[done - 1].b : root, 32);
+    const int64_t* src = r.tokens.data() + done * bs;
+    for (size_t i = 0; i < bs; ++i) {
+      if (src[i] < 0 || src[i] > 0xFFFFFFFFLL) {
+        throw py::value_error("token ids must be in [0, 2**32)");
+      }
+      const uint32_t id = static_cast<uint32_t>(src[i]);
+      std::memcpy(msg + 32 + 4 * i, &id, 4);  // little endian, as the chain writes them
+    }
+    if (!r.extra_keys.empty()) {
+      std::memcpy(msg + 32 + 4 * bs, r.extra_keys.data(), r.extra_keys.size());
+    }
+    r.hashes.emplace_back();
+    sha256(msg, msg_len, r.hashes.back().b);
+    return;
+  }
   std::vector<uint32_t> block(bs);
   // Each digest stays put while this call runs: the chain reads it back. Grow
   // geometrically: reserving exactly `full` reallocated (copied every hash of the

@@ -63,9 +63,14 @@ void remember_slot_member(PyTypeObject* tp, PyObject* name, SlotMember& m) {
 // Request.slot as `request.slot` reads it. Requests of the remembered type are
 // read in place (the call was ~4 % of a step at 256 decodes); anything else,
 // or a slot that is not a small int, takes the attribute call.
+SlotMember& slot_member() {
+  static SlotMember member;
+  return member;
+}
+
 int64_t slot_of_request(PyObject* request) {
   static PyObject* name = PyUnicode_InternFromString("slot");  // immortal for the module
-  static SlotMember member;
+  SlotMember& member = slot_member();
   PyTypeObject* tp = Py_TYPE(request);
   if (tp == member.type && (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) &&
       tp->tp_version_tag == member.tag) {
@@ -76,6 +81,20 @@ int64_t slot_of_request(PyObject* request) {
   Ref v(PyObject_GetAttr(request, name));
   if (tp != member.type || tp->tp_version_tag != member.tag) remember_slot_member(tp, name, member);
   return as_index(v.p);
+}
+
+// Request.slot when slot_of_request can read it in place, else -1: never
+// calls out or raises (for hints, which must not change what a loop does).
+int64_t peek_slot(PyObject* request) {
+  const SlotMember& member = slot_member();
+  PyTypeObject* tp = Py_TYPE(request);
+  if (tp != member.type || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ||
+      tp->tp_version_tag != member.tag) {
+    return -1;
+  }
+  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(request) + member.offset);
+  long long slot;
+  return v != nullptr && PyLong_CheckExact(v) && compact_long(v, slot) ? slot : -1;
 }
 
 PyObject* new_int(long long v) {
@@ -144,6 +163,22 @@ Py_ssize_t pick_victim(RequestTable& t, PyObject* running, PyObject* in_flight, 
   return best;
 }
 
+// How many requests ahead schedule_running asks for the prefix-cache slot a
+// request's next full block will take: the index is megabytes, and at a block
+// boundary every decoding request caches one (each insert a cache miss).
+constexpr Py_ssize_t kPrefetchAhead = 8;
+
+// A hint only: reads nothing it cannot read safely, raises nothing.
+void prefetch_next_block(RequestTable& t, PyObject* running, Py_ssize_t j) {
+  if (j >= PyList_GET_SIZE(running)) return;
+  const int64_t s = peek_slot(PyList_GET_ITEM(running, j));
+  if (s < 0 || static_cast<size_t>(s) >= t.capacity()) return;
+  const Row* r = t.maybe_row(static_cast<size_t>(s));
+  if (r == nullptr || r->num_cached_blocks < 0) return;
+  const size_t next = static_cast<size_t>(r->num_cached_blocks);
+  if (next < r->hashes.size()) t.pool().prefetch(r->hashes[next]);
+}
+
 py::tuple schedule_running(RequestTable& t, py::list running_list, py::object skip_obj,
                            py::object in_flight_obj, int64_t token_budget, int64_t threshold,
                            int64_t max_len_1, int64_t max_model_len, bool priority) {
@@ -162,6 +197,7 @@ py::tuple schedule_running(RequestTable& t, py::list running_list, py::object sk
   std::vector<int32_t> fresh;
   Py_ssize_t i = 0;
   while (i < PyList_GET_SIZE(running) && token_budget > 0) {
+    if (caching) prefetch_next_block(t, running, i + kPrefetchAhead);
     PyObject* request = PyList_GET_ITEM(running, i);
     const int64_t s = slot_of_request(request);
     Row& r = t.row(s);

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from enginecore import _native
 from enginecore.blocking_queue import PyBlockingQueue, make_blocking_queue
-from enginecore.executor.synthetic import synthetic_sample_py
+from enginecore.executor.synthetic import new_state, synthetic_sample_py
 from enginecore.sched.block_hash import block_hashes_py, encode_extra_keys
 from helpers import make_request, synthetic_engine
 
@@ -329,7 +329,7 @@ def test_native_synthetic_sampler_equals_python_twin(data, num, vocab):
         if drafts:
             spec[rid] = drafts
         scheduled[rid] = data.draw(st.integers(1, 8)) + len(drafts)
-        state[rid] = [data.draw(st.integers(0, 2**64 - 1)), known]
+        state[rid] = new_state(data.draw(st.integers(0, 2**64 - 1)), known)
         if i < num_cached:
             cached_computed.append(computed)
         else:
@@ -338,7 +338,7 @@ def test_native_synthetic_sampler_equals_python_twin(data, num, vocab):
     if data.draw(st.booleans()):  # out of schedule order: the native lookup falls back
         order = data.draw(st.permutations(rids))
         scheduled = {r: scheduled[r] for r in order}
-    py_state = {r: list(s) for r, s in state.items()}
+    py_state = {r: bytearray(s) for r, s in state.items()}
     want = synthetic_sample_py(scheduled, spec, py_state, cached_ids, cached_computed,
                                new_computed, vocab)
     got = C.synthetic_sample(scheduled, spec, state, cached_ids, cached_computed, new_computed,

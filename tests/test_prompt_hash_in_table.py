@@ -108,3 +108,23 @@ def test_an_index_that_changes_the_prompt_reads_as_python_iterates(sha_impl, has
     for change in ("clear", "grow"):
         assert got["native", change] == got["python", change]
     assert len(got["native", "clear"]) == where + 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+@pytest.mark.parametrize("salt", [None, "s", "salt" * 60])
+def test_decode_appends_hash_each_filled_block(kind, block_size, salt, sha_impl):
+    """One token at a time, as decodes append them: each block that fills is
+    hashed as ``block_hashes`` hashes it (a small message on the stack on the
+    native table; 128-id blocks or a long salt take the chain)."""
+    table = KINDS[kind](None, block_size)
+    extra = encode_extra_keys([salt]) if salt else b""
+    slot = add(table, [(i * 31) % 150000 for i in range(block_size + 5)], extra)
+    for i in range(3 * block_size):
+        table.append_token_ids(slot, [(i * 7) % 150000])
+        ids = table.get_token_ids(slot)
+        assert table.get_block_hashes(slot) == block_hashes(
+            ids, block_size, extra_keys=[salt] if salt else None)
+    with pytest.raises(ValueError):
+        table.append_token_ids(slot, [2**32])
+    table.release(slot)

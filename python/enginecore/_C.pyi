@@ -157,7 +157,7 @@ def update_decodes(table: RequestTable, slot_of: dict[str, int], scheduled: dict
 # -- the synthetic executor (csrc/synthetic_sampler.cpp <-> executor/synthetic.py) ------------
 
 def synthetic_sample(scheduled: dict[str, int], spec: dict[str, list[int]],
-                     state: dict[str, list[int]], cached_ids: list[str],
+                     state: dict[str, bytearray], cached_ids: list[str],
                      cached_computed: list[int], new_computed: dict[str, int],
                      vocab_size: int) -> tuple[list[str], dict[str, int], list[list[int]]]:
     """The synthetic executor's per-request loop (twin: ``synthetic_sample_py``)."""

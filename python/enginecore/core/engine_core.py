@@ -281,6 +281,8 @@ class EngineCore(EngineCoreUtilities):
 
     def _process_aborts_queue(self) -> None:
         q = self.aborts_queue
+        if not q.queue:  # the common step: nothing queued (a lock-free look at its deque)
+            return
         while not q.empty():
             try:
                 ids = q.get_nowait()

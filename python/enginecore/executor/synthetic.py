@@ -7,6 +7,7 @@ configurable latency, and up to ``max_concurrent_batches`` run at once.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 import zlib
@@ -20,6 +21,20 @@ from enginecore.protocol import LoRARequest
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 
 _MASK = (1 << 64) - 1
+# A request's state: its seed and the number of tokens the runner knows, in a
+# 16-byte bytearray both loops update in place (native byte order: the C++ loop
+# reads it with memcpy), so a step allocates no int per request for it.
+_STATE = struct.Struct("=Qq")
+
+
+def new_state(seed: int, known: int) -> bytearray:
+    """A request's synthetic state (see ``_STATE``)."""
+    return bytearray(_STATE.pack(seed, known))
+
+
+def state_fields(state: bytearray) -> tuple[int, int]:
+    """(seed, tokens the runner knows) of a state from ``new_state``."""
+    return _STATE.unpack(state)
 
 
 def synthetic_token(seed: int, position: int, vocab_size: int) -> int:
@@ -38,14 +53,14 @@ def request_seed(seed: int | None, prompt_token_ids: list[int]) -> int:
 
 
 def synthetic_sample_py(
-    scheduled: dict[str, int], spec: dict[str, list[int]], state: dict[str, list[int]],
+    scheduled: dict[str, int], spec: dict[str, list[int]], state: dict[str, bytearray],
     cached_ids: list[str], cached_computed: list[int], new_computed: dict[str, int],
     vocab_size: int,
 ) -> tuple[list[str], dict[str, int], list[list[int]]]:
     """The per-request loop (twin of csrc/synthetic_sampler.cpp): (req_ids,
-    req_id_to_index, sampled). ``state`` is req_id -> [seed, tokens the runner
-    knows], updated in place; drafts are accepted while they equal the tokens
-    this instrument samples."""
+    req_id_to_index, sampled). ``state`` is req_id -> ``new_state(seed, tokens
+    the runner knows)``, updated in place; drafts are accepted while they equal
+    the tokens this instrument samples."""
     if vocab_size <= 0:
         raise ValueError("vocab_size must be positive")
     computed = dict(zip(cached_ids, cached_computed))
@@ -54,20 +69,23 @@ def synthetic_sample_py(
     sampled: list[list[int]] = []
     for rid, num_scheduled in scheduled.items():
         st = state[rid]
+        if type(st) is not bytearray or len(st) != _STATE.size:
+            raise TypeError("synthetic state entries are 16-byte bytearrays (seed, known)")
+        seed, known = _STATE.unpack(st)
         drafts = spec.get(rid)
         n = num_scheduled - len(drafts) if drafts else num_scheduled
-        if computed[rid] + n < st[1]:
+        if computed[rid] + n < known:
             sampled.append([])  # mid-prefill chunk: nothing to sample
             continue
-        pos = st[1]
-        tokens = [synthetic_token(st[0], pos, vocab_size)]
+        pos = known
+        tokens = [synthetic_token(seed, pos, vocab_size)]
         if drafts:
             for d in drafts:
                 if d != tokens[-1]:
                     break
                 pos += 1
-                tokens.append(synthetic_token(st[0], pos, vocab_size))
-        st[1] += len(tokens)
+                tokens.append(synthetic_token(seed, pos, vocab_size))
+        _STATE.pack_into(st, 0, seed, known + len(tokens))
         sampled.append(tokens)
     return req_ids, {r: i for i, r in enumerate(req_ids)}, sampled
 
@@ -80,8 +98,8 @@ class SyntheticExecutor(Executor):
         self.vocab_size = mc.vocab_size
         self.latency_s = self.config.executor_config.synthetic_step_latency_s
         self._max_batches = self.config.executor_config.max_concurrent_batches
-        # req_id -> [seed, number of tokens the runner knows]
-        self._state: dict[str, list[int]] = {}
+        # req_id -> new_state(seed, number of tokens the runner knows)
+        self._state: dict[str, bytearray] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.num_steps = 0
@@ -136,7 +154,7 @@ class SyntheticExecutor(Executor):
             for new in so.scheduled_new_reqs:
                 seed = request_seed(new.sampling_params.seed,
                                     new.token_ids[: new.num_prompt_tokens])
-                state[new.req_id] = [seed, len(new.token_ids)]
+                state[new.req_id] = new_state(seed, len(new.token_ids))
                 new_computed[new.req_id] = new.num_computed_tokens
             cached = so.scheduled_cached_reqs
             ext = _native.extension()

@@ -280,12 +280,7 @@ class Scheduler(SchedulerUpdate, SchedulerReports):
         # while a fault is isolated, those not being probed.
         skip = in_flight if probe is None else in_flight | {
             r.request_id for r in self.running if r.request_id not in probe}
-        num_scheduled_tokens: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        running_new_blocks: list[list[int] | None] = []
         scheduled_new: list[Request] = []
-        preempted: list[Request] = []
         pause = self.pause_state
         encoder = EncoderStep(self.max_num_encoder_input_tokens)
         ec = self.encoder_cache_manager
@@ -307,9 +302,13 @@ class Scheduler(SchedulerUpdate, SchedulerReports):
                                              cached_computed, encoder, ec,
                                              self.disable_chunked_mm_input)
         else:
+            num_scheduled_tokens, spec_tokens = {}, {}
+            scheduled_running, running_new_blocks, preempted = [], [], []
             cached_ids, cached_computed, any_grammar = [], [], False
 
-        if not preempted and pause == PauseState.UNPAUSED and self.admit_new_prefills:
+        # (A steady decode step has no one waiting: it skips the admission set-up.)
+        if (not preempted and pause == PauseState.UNPAUSED and self.admit_new_prefills
+                and self.waiting):
             waiting = self.waiting
             skipped: list[Request] = []
             active_loras = ({r.lora_int_id for r in self.running if r.lora_request}
