@@ -68,9 +68,6 @@ void check_hashable(const int64_t* begin, const int64_t* end) {
   }
 }
 
-// The largest message extend_hashes builds on the stack for one new block.
-constexpr size_t kOneBlockMessage = 512;
-
 void RequestTable::extend_hashes(Row& r) {
   if (!r.hash_blocks) return;
   const size_t bs = static_cast<size_t>(block_size_);
@@ -79,25 +76,25 @@ void RequestTable::extend_hashes(Row& r) {
   if (r.tokens.size() < (done + 1) * bs) return;
   const size_t full = r.tokens.size() / bs;
   uint8_t root[32] = {0};
-  const size_t msg_len = 32 + 4 * bs + r.extra_keys.size();
-  if (full - done == 1 && done >= r.block_extra_keys.size() && msg_len <= kOneBlockMessage) {
-    // The decode step's case: one block just filled, no keys of its own. One
-    // message on the stack (the chain below allocates its buffers).
-    uint8_t msg[kOneBlockMessage];
-    std::memcpy(msg, done ? r.hashes[done - 1].b : root, 32);
+  const size_t tail_len = 4 * bs + r.extra_keys.size();
+  if (full - done == 1 && done >= r.block_extra_keys.size() && 32 + tail_len <= kShortMessage) {
+    // The decode step's case: one block just filled, no keys of its own: its
+    // ids and keys on the stack, one chain step (the chain below allocates).
+    uint8_t tail[kShortMessage];
     const int64_t* src = r.tokens.data() + done * bs;
     for (size_t i = 0; i < bs; ++i) {
       if (src[i] < 0 || src[i] > 0xFFFFFFFFLL) {
         throw py::value_error("token ids must be in [0, 2**32)");
       }
       const uint32_t id = static_cast<uint32_t>(src[i]);
-      std::memcpy(msg + 32 + 4 * i, &id, 4);  // little endian, as the chain writes them
+      std::memcpy(tail + 4 * i, &id, 4);  // little endian, as the chain writes them
     }
     if (!r.extra_keys.empty()) {
-      std::memcpy(msg + 32 + 4 * bs, r.extra_keys.data(), r.extra_keys.size());
+      std::memcpy(tail + 4 * bs, r.extra_keys.data(), r.extra_keys.size());
     }
-    r.hashes.emplace_back();
-    sha256(msg, msg_len, r.hashes.back().b);
+    Hash32 h;
+    sha256_after(done ? r.hashes[done - 1].b : root, tail, tail_len, h.b);
+    r.hashes.push_back(h);
     return;
   }
   std::vector<uint32_t> block(bs);

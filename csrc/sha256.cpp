@@ -145,6 +145,40 @@ void Sha256Chain::next(const uint8_t* varying, uint8_t out[32]) {
   prev_ = out;
 }
 
+void sha256_after(const uint8_t parent[32], const uint8_t* data, size_t len, uint8_t out[32]) {
+  const size_t msg_len = 32 + len;
+  if (msg_len > kShortMessage) {
+    std::vector<uint8_t> msg(parent, parent + 32);
+    msg.insert(msg.end(), data, data + len);
+    sha256(msg.data(), msg.size(), out);
+    return;
+  }
+  // The message padded, parent first: [parent | data | 0x80 0... | length].
+  alignas(16) uint8_t msg[kShortMessage + 64];
+  const size_t nblocks = (msg_len + 9 + 63) / 64;
+  std::memcpy(msg, parent, 32);
+  std::memcpy(msg + 32, data, len);
+  std::memset(msg + msg_len, 0, nblocks * 64 - msg_len);
+  msg[msg_len] = 0x80;
+  const uint64_t bits = uint64_t(msg_len) * 8;
+  for (int i = 0; i < 8; ++i) msg[nblocks * 64 - 1 - i] = uint8_t(bits >> (8 * i));
+#ifdef ENGINECORE_X86
+  if (sha256_compress() == compress_shani) {
+    chain_step_shani(parent, msg + 32, nblocks, out);
+    return;
+  }
+#endif
+  uint32_t state[8];
+  std::memcpy(state, kSha256Init, sizeof(state));
+  sha256_compress()(state, msg, nblocks);
+  for (int i = 0; i < 8; ++i) {
+    out[4 * i] = uint8_t(state[i] >> 24);
+    out[4 * i + 1] = uint8_t(state[i] >> 16);
+    out[4 * i + 2] = uint8_t(state[i] >> 8);
+    out[4 * i + 3] = uint8_t(state[i]);
+  }
+}
+
 bool sha256_uses_shani() {
 #ifdef ENGINECORE_X86
   return sha256_compress() == compress_shani;

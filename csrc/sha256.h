@@ -25,6 +25,12 @@ void sha256_force_portable(bool force);
 // One-shot SHA-256 of a message of any length.
 void sha256(const uint8_t* data, size_t len, uint8_t out[32]);
 
+// SHA-256(parent || data) for a short message (32 + len <= kShortMessage bytes):
+// one chain step with nothing allocated (the decode step hashes a block per
+// request whose last token filled one).
+constexpr size_t kShortMessage = 512;
+void sha256_after(const uint8_t parent[32], const uint8_t* data, size_t len, uint8_t out[32]);
+
 // A chain of messages hashed one at a time: digest[b] = SHA-256(digest[b-1] ||
 // varying[b] || suffix), digest[-1] = parent. One step at a time so callers can
 // interleave their own work (reading the next block's token ids): the chain is
