@@ -32,42 +32,50 @@ ENGINECORE_SHANI size_t sha256_chain_reading(size_t num_blocks, size_t block_siz
   using namespace sha256_detail;  // NOLINT: the SHA-NI rounds
   std::memcpy(last, parent, 32);
   if (num_blocks == 0 || block_size == 0) return 0;
-  // The message from byte 32 on: ids, suffix, padding, length.
+  // The message from byte 32 on: ids, suffix, padding, length. Two of them: the
+  // next block's ids are read into one while the other is hashed (no copy
+  // between blocks: a memcpy call there spilled the digest across it).
   const size_t msg_len = 32 + 4 * block_size + suffix_len;
   const size_t nblocks = (msg_len + 9 + 63) / 64;
-  std::vector<uint8_t> body(nblocks * 64 - 32, 0);
-  if (suffix_len) std::memcpy(body.data() + 4 * block_size, suffix, suffix_len);
-  body[msg_len - 32] = 0x80;
-  const uint64_t bits = uint64_t(msg_len) * 8;
-  for (int i = 0; i < 8; ++i) body[body.size() - 1 - i] = uint8_t(bits >> (8 * i));
+  const size_t body_len = nblocks * 64 - 32;
+  std::vector<uint32_t> bodies((2 * body_len + 3) / 4, 0);  // 4-byte aligned ids
+  uint8_t* body[2] = {reinterpret_cast<uint8_t*>(bodies.data()),
+                      reinterpret_cast<uint8_t*>(bodies.data()) + body_len};
+  for (uint8_t* m : body) {
+    if (suffix_len) std::memcpy(m + 4 * block_size, suffix, suffix_len);
+    m[msg_len - 32] = 0x80;
+    const uint64_t bits = uint64_t(msg_len) * 8;
+    for (int i = 0; i < 8; ++i) m[body_len - 1 - i] = uint8_t(bits >> (8 * i));
+  }
   // After group g (16 per compression) the next block's first upto[g] ids are read.
   const size_t groups = 16 * nblocks;
   std::vector<size_t> upto(groups);
   for (size_t g = 0; g < groups; ++g) upto[g] = (g + 1) * block_size / groups;
-  std::vector<uint32_t> cur(block_size), ahead(block_size);
+  uint32_t* ids[2] = {reinterpret_cast<uint32_t*>(body[0]), reinterpret_cast<uint32_t*>(body[1])};
+  int cur = 0;
   bool ok = true;
-  for (size_t i = 0; i < block_size; ++i) ok = read_id(size_t(0), i, cur[i]) && ok;
+  for (size_t i = 0; i < block_size; ++i) ok = read_id(size_t(0), i, ids[0][i]) && ok;
   if (!ok) return 0;
   __m128i w0 = load_words(parent), w1 = load_words(parent + 16);
   const __m128i iv0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&kSha256Init[0]));
   const __m128i iv1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&kSha256Init[4]));
   size_t b = 0;
   while (b < num_blocks) {
-    std::memcpy(body.data(), cur.data(), 4 * block_size);
     uint8_t* d = digest_out(b);
     const size_t ahead_n = b + 1 < num_blocks ? block_size : 0;
     size_t read = 0;
+    uint32_t* ahead = ids[cur ^ 1];
     auto work_at = [&](size_t g) {
       const size_t end = std::min(upto[g], ahead_n);
       for (; read < end; ++read) ok = read_id(b + 1, read, ahead[read]) && ok;
     };
     __m128i s0, s1;
     to_shani(iv0, iv1, s0, s1);
-    const uint8_t* p = body.data();
+    const uint8_t* p = body[cur];
     shani_block(s0, s1, w0, w1, load_words(p), load_words(p + 16),
                 [&](int g) { work_at(size_t(g)); });
     for (size_t k = 1; k < nblocks; ++k) {
-      p = body.data() + 64 * k - 32;
+      p = body[cur] + 64 * k - 32;
       shani_block(s0, s1, load_words(p), load_words(p + 16), load_words(p + 32),
                   load_words(p + 48), [&](int g) { work_at(16 * k + size_t(g)); });
     }
@@ -77,7 +85,7 @@ ENGINECORE_SHANI size_t sha256_chain_reading(size_t num_blocks, size_t block_siz
     std::memcpy(last, d, 32);
     ++b;
     if (!ok) break;  // the next block's ids want the general path
-    cur.swap(ahead);
+    cur ^= 1;
   }
   return b;
 }
