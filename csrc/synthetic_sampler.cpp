@@ -20,6 +20,12 @@ namespace {
 
 constexpr Py_ssize_t kStateBytes = 16;  // synthetic.py's _STATE: "=Qq"
 
+void check_state(PyObject* st) {
+  if (!PyByteArray_CheckExact(st) || PyByteArray_GET_SIZE(st) != kStateBytes) {
+    throw py::type_error("synthetic state entries are 16-byte bytearrays (seed, known)");
+  }
+}
+
 uint64_t splitmix64(uint64_t seed, uint64_t position) {
   uint64_t z = seed * 0x9E3779B97F4A7C15ULL + position + 0x632BE59BD9B4E019ULL;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -50,11 +56,24 @@ py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
     PyList_SET_ITEM(req_ids.ptr(), i, rid);
     Ref idx(PyLong_FromSsize_t(i));
     if (PyDict_SetItem(index_of.ptr(), rid, idx.p) != 0) throw py::error_already_set();
-    PyObject* st = PyDict_GetItemWithError(state.ptr(), rid);
-    if (st == nullptr) {
+    PyObject* st_borrowed = PyDict_GetItemWithError(state.ptr(), rid);
+    if (st_borrowed == nullptr) {
       if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, rid);
       throw py::error_already_set();
     }
+    // Held: Python code runs below (a draft's __index__, a sequence's items) and
+    // could drop it from `state` or resize it.
+    Py_INCREF(st_borrowed);
+    Ref st(st_borrowed);
+    check_state(st.p);
+    uint64_t seed;
+    long long known;
+    std::memcpy(&seed, PyByteArray_AS_STRING(st.p), 8);
+    std::memcpy(&known, PyByteArray_AS_STRING(st.p) + 8, 8);
+    PyObject* drafts = any_spec ? PyDict_GetItemWithError(spec.ptr(), rid) : nullptr;
+    if (drafts == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    const Py_ssize_t num_drafts = drafts ? PyObject_Length(drafts) : 0;
+    if (num_drafts < 0) throw py::error_already_set();
     PyObject* computed_obj;
     if (i < num_cached && PyList_GET_ITEM(cached_ids.ptr(), i) == rid) {
       computed_obj = PyList_GET_ITEM(cached_computed.ptr(), i);
@@ -75,19 +94,8 @@ py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
         }
       }
     }
-    PyObject* drafts = any_spec ? PyDict_GetItemWithError(spec.ptr(), rid) : nullptr;
-    if (drafts == nullptr && PyErr_Occurred()) throw py::error_already_set();
-    const Py_ssize_t num_drafts = drafts ? PyObject_Length(drafts) : 0;
-    if (num_drafts < 0) throw py::error_already_set();
-    if (!PyByteArray_CheckExact(st) || PyByteArray_GET_SIZE(st) != kStateBytes) {
-      throw py::type_error("synthetic state entries are 16-byte bytearrays (seed, known)");
-    }
-    char* fields = PyByteArray_AS_STRING(st);
-    uint64_t seed;
-    long long known;
-    std::memcpy(&seed, fields, 8);
-    std::memcpy(&known, fields + 8, 8);
-    if (as_long(computed_obj) + as_long(num) - num_drafts < known) {
+    // In 128 bits: counts near int64's end compare as the twin's Python ints do.
+    if (static_cast<__int128>(as_long(computed_obj)) + as_long(num) - num_drafts < known) {
       PyList_SET_ITEM(sampled.ptr(), i, Ref(PyList_New(0)).release());  // mid-prefill chunk
       ++i;
       continue;
@@ -107,8 +115,12 @@ py::tuple synthetic_sample(py::dict scheduled, py::dict spec, py::dict state,
       if (PyList_Append(tokens.p, t.p) != 0) throw py::error_already_set();
     }
     const Py_ssize_t produced = PyList_GET_SIZE(tokens.p);
-    const long long known_after = known + produced;
-    std::memcpy(fields + 8, &known_after, 8);
+    long long known_after;
+    if (__builtin_add_overflow(known, static_cast<long long>(produced), &known_after)) {
+      throw py::value_error("synthetic state: tokens known past int64");
+    }
+    check_state(st.p);  // again: the drafts' Python code may have changed it
+    std::memcpy(PyByteArray_AS_STRING(st.p) + 8, &known_after, 8);
     PyList_SET_ITEM(sampled.ptr(), i, tokens.release());
     ++i;
   }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enginecore.executor import SyntheticExecutor
+from enginecore.executor.synthetic import state_fields
 
 
 class FailAfterExecutor(SyntheticExecutor):
@@ -66,7 +67,7 @@ class FaultInjectingExecutor(SyntheticExecutor):
             if hit is None:
                 continue
             late, prompt_len = hit
-            if not late or self._state[rid][1] - prompt_len >= LATE_AFTER:
+            if not late or state_fields(self._state[rid])[1] - prompt_len >= LATE_AFTER:
                 self._fault(f"poisoned request {rid}")
         return out
 

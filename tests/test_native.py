@@ -344,3 +344,49 @@ def test_native_synthetic_sampler_equals_python_twin(data, num, vocab):
     got = C.synthetic_sample(scheduled, spec, state, cached_ids, cached_computed, new_computed,
                              vocab)
     assert got == want and state == py_state
+
+
+def _synthetic_cases():
+    """Hostile inputs to the synthetic loop: a draft whose __index__ resizes or drops
+    the request's state, counts at int64's end, a state of the wrong kind."""
+    def resized():
+        state = {"a": new_state(3, 3)}
+
+        class Draft:
+            def __index__(self):
+                state["a"].extend(bytes(4096))
+                return 10**30
+        return {"a": 2}, {"a": [Draft()]}, state, ["a"], [3], {}
+
+    def dropped():
+        state = {"a": new_state(3, 3)}
+
+        class Draft:
+            def __index__(self):
+                del state["a"]
+                return 10**30
+        return {"a": 2}, {"a": [Draft()]}, state, ["a"], [3], {}
+
+    def at_int64_end():
+        return {"a": 1}, {}, {"a": new_state(7, 2**63 - 1)}, ["a"], [2**63 - 1], {}
+
+    def wrong_state_kind():
+        return {"a": 1}, {}, {"a": [1, 2]}, [], [], {}
+
+    def float_draft():
+        return {"a": 2}, {"a": [3.0]}, {"a": new_state(3, 3)}, ["a"], [3], {}
+    return [resized, dropped, at_int64_end, wrong_state_kind, float_draft]
+
+
+@pytest.mark.parametrize("case", _synthetic_cases(), ids=lambda c: c.__name__)
+def test_native_synthetic_sampler_hostile_inputs_like_the_twin(case):
+    """Same answer or same exception type on both loops; the native one never
+    writes into a state Python code resized or dropped meanwhile."""
+    def run(fn):
+        scheduled, spec, state, cached_ids, cached_computed, new_computed = case()
+        try:
+            out = fn(scheduled, spec, state, cached_ids, cached_computed, new_computed, 50)
+        except Exception as e:  # noqa: BLE001 - the exception is the answer compared
+            return type(e)
+        return out, {k: bytes(v) for k, v in state.items()}
+    assert run(C.synthetic_sample) == run(synthetic_sample_py)

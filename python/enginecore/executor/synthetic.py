@@ -12,6 +12,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import index
 from typing import Any
 
 from enginecore import _native
@@ -25,6 +26,14 @@ _MASK = (1 << 64) - 1
 # 16-byte bytearray both loops update in place (native byte order: the C++ loop
 # reads it with memcpy), so a step allocates no int per request for it.
 _STATE = struct.Struct("=Qq")
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _check_state(state: Any) -> None:
+    if type(state) is not bytearray or len(state) != _STATE.size:
+        raise TypeError("synthetic state entries are 16-byte bytearrays (seed, known)")
 
 
 def new_state(seed: int, known: int) -> bytearray:
@@ -69,8 +78,7 @@ def synthetic_sample_py(
     sampled: list[list[int]] = []
     for rid, num_scheduled in scheduled.items():
         st = state[rid]
-        if type(st) is not bytearray or len(st) != _STATE.size:
-            raise TypeError("synthetic state entries are 16-byte bytearrays (seed, known)")
+        _check_state(st)
         seed, known = _STATE.unpack(st)
         drafts = spec.get(rid)
         n = num_scheduled - len(drafts) if drafts else num_scheduled
@@ -81,11 +89,15 @@ def synthetic_sample_py(
         tokens = [synthetic_token(seed, pos, vocab_size)]
         if drafts:
             for d in drafts:
-                if d != tokens[-1]:
+                if index(d) != tokens[-1]:  # an int as the native loop reads it
                     break
                 pos += 1
                 tokens.append(synthetic_token(seed, pos, vocab_size))
-        _STATE.pack_into(st, 0, seed, known + len(tokens))
+        known_after = known + len(tokens)
+        if known_after > _INT64_MAX:
+            raise ValueError("synthetic state: tokens known past int64")
+        _check_state(st)  # again, as the native loop (a draft's Python code ran)
+        _STATE.pack_into(st, 0, seed, known_after)
         sampled.append(tokens)
     return req_ids, {r: i for i, r in enumerate(req_ids)}, sampled
 
