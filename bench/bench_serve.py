@@ -202,14 +202,36 @@ def start_server(extra: list[str], env: dict | None = None) -> tuple[subprocess.
             break
         if proc.poll() is not None:
             log.seek(0)
-            raise RuntimeError(f"the server exited:\n{log.read()}")
+            text = log.read()
+            log.close()
+            raise RuntimeError(f"the server exited:\n{text}")
         time.sleep(0.05)
     if url is None:
         proc.kill()
+        proc.wait(60)
+        log.close()
         raise TimeoutError("the server did not start")
-    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
-    r.raise_for_status()
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                       timeout=60)
+        r.raise_for_status()
+    except BaseException:
+        proc.kill()
+        proc.wait(60)
+        log.close()
+        raise
+    # The server keeps writing its log: the file closes when the server is stopped
+    # (stop_server), not here.
+    proc.log_file = log  # type: ignore[attr-defined]
     return proc, url + "/v1", time.monotonic() - t0
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(60)
+    log = getattr(proc, "log_file", None)
+    if log is not None:
+        log.close()
 
 
 def server_pids(proc: subprocess.Popen) -> tuple[list[int], list[int]]:
@@ -264,8 +286,7 @@ def test_serve_load(benchmark):
         benchmark.group = "serve_load[default model, 64-token prompts, 128 tokens out]"
         benchmark.pedantic(all_levels, rounds=1, iterations=1)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc)
 
     async def direct() -> None:
         from enginecore import AsyncLLM, EngineArgs
