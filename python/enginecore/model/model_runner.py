@@ -27,7 +27,7 @@ from enginecore.model.sampler import (
     SamplerOutput,
     SamplingRow,
     greedy_argmax,
-    plain_greedy,
+    plain_greedy_row,
 )
 from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
@@ -253,20 +253,26 @@ class ModelRunner:
         draft distribution: sample t_j ~ p_j, accept while t_j == draft_j)."""
         assert self.model is not None
         flat: list[int] = []
-        rows: list[SamplingRow] = []
         masks = self._grammar_bitmask
+        greedy = True  # plain_greedy of the rows, before they are built (each copies ids)
         for first, _, st, drafts in groups:
-            outputs = st.token_ids[st.num_prompt:]
+            n_out = len(st.token_ids) - st.num_prompt
             for j in range(len(drafts) + 1):
                 flat.append(first + j)
-                rows.append(SamplingRow(st.params, st.token_ids[: st.num_prompt],
-                                        outputs + drafts[:j], len(st.token_ids) + j,
-                                        st.eos_token_id, masks.get(st.req_id)))
+                greedy = greedy and plain_greedy_row(st.params, n_out + j, st.eos_token_id,
+                                                     masks.get(st.req_id))
         idx = torch.tensor(flat, dtype=torch.long, device=self.device)
-        if plain_greedy(rows):  # argmax of the model-dtype logits (sampler.py)
+        if greedy:  # argmax of the model-dtype logits (sampler.py)
             logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False)
-            out = SamplerOutput(greedy_argmax(logits), [None] * len(rows))
+            out = SamplerOutput(greedy_argmax(logits), [None] * len(flat))
         else:
+            rows: list[SamplingRow] = []
+            for _, _, st, drafts in groups:
+                outputs = st.token_ids[st.num_prompt:]
+                for j in range(len(drafts) + 1):
+                    rows.append(SamplingRow(st.params, st.token_ids[: st.num_prompt],
+                                            outputs + drafts[:j], len(st.token_ids) + j,
+                                            st.eos_token_id, masks.get(st.req_id)))
             logits = self.model.compute_logits(hidden.index_select(0, idx)).cpu()
             out = self.sampler(logits, rows)
         sampled: list[list[int]] = [[] for _ in req_ids]

@@ -46,16 +46,20 @@ def plain_greedy(rows: list[SamplingRow]) -> bool:
     """Every row takes the argmax of the raw logits: greedy, and nothing that reads
     or changes the logits first (logprobs, penalties, bias, allowed / bad words,
     grammar masks, min_tokens still banning EOS or stop tokens)."""
-    for r in rows:
-        p = r.params
-        if (not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias
-                or p.allowed_token_ids is not None or p.bad_words_token_ids
-                or r.allowed_bitmask is not None):
-            return False
-        if len(r.output_ids) < p.min_tokens and (
-                p.stop_token_ids or (r.eos_token_id is not None and not p.ignore_eos)):
-            return False
-    return True
+    return all(plain_greedy_row(r.params, len(r.output_ids), r.eos_token_id, r.allowed_bitmask)
+               for r in rows)
+
+
+def plain_greedy_row(p: SamplingParams, num_outputs: int, eos_token_id: int | None,
+                     allowed_bitmask: object | None) -> bool:
+    """``plain_greedy`` for one row, from what it reads of the row (the runner asks
+    before it builds the rows: they copy each request's ids)."""
+    if (not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias
+            or p.allowed_token_ids is not None or p.bad_words_token_ids
+            or allowed_bitmask is not None):
+        return False
+    return not (num_outputs < p.min_tokens and (
+        p.stop_token_ids or (eos_token_id is not None and not p.ignore_eos)))
 
 
 def greedy_argmax_torch(logits: torch.Tensor) -> list[int]:
