@@ -59,8 +59,9 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 3600) -> str:
 
 
 def vs_vllm(vllm_python: str, what: list[str]) -> dict:
-    out = run([sys.executable, os.path.join(HERE, "bench_vs_vllm.py"), "--vllm-python",
-               vllm_python, "--batches", "1,64", "--levels", "32", *what])
+    # The parts first: --levels takes every number that follows it.
+    out = run([sys.executable, os.path.join(HERE, "bench_vs_vllm.py"), *what, "--vllm-python",
+               vllm_python, "--batches", "1,64", "--levels", "32"])
     line = next(x for x in out.splitlines() if x.startswith("ALL "))
     return json.loads(line[4:])
 
