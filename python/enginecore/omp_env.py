@@ -27,11 +27,16 @@ import sys
 from collections.abc import MutableMapping
 
 # Spin rounds before a waiting libgomp thread sleeps (one round is a `pause`,
-# tens of cycles on Zen 2+ and Ice Lake+): tens of microseconds, enough to bridge
-# the gap between two parallel regions of one step without a futex round trip,
-# short enough that a thread waiting on a descheduled peer gives its core away
-# (docs/benchmarks.md, "Threads under contention").
-DEFAULT_GOMP_SPINCOUNT = 20000
+# tens of cycles on Zen 2+ and Ice Lake+): a few milliseconds, two thirds of
+# libgomp's own 300k. Long enough that the gaps of a serving step (the API
+# process and the client taking a core for a moment) are spun through instead
+# of paid for with a futex sleep and wake per parallel region: at 20000 rounds,
+# serving at c=32 ran 12 % slower and c=1 9 % slower (docs/benchmarks.md, round
+# 9). A neighbour that keeps a core busy is the governor's case
+# (cpu_threads.StarvationGovernor): it gives torch one thread while the team
+# waits for CPU, so the long spin no longer burns a starved peer's share (c=1
+# beside a busy process: 0.71 of idle, 0.67 at 20000 rounds).
+DEFAULT_GOMP_SPINCOUNT = 200000
 # Intel's OpenMP (when someone LD_PRELOADs libiomp5): milliseconds before sleeping,
 # as vLLM sets it on CPU.
 DEFAULT_KMP_BLOCKTIME = 1
