@@ -84,6 +84,11 @@ if __name__ == "__main__":
 
 def _cpu_line() -> str:
     """The header every benchmark prints: the CPU model and the ISA flags that matter."""
+    return f"# {cpu_description()}"
+
+
+def cpu_description() -> str:
+    """The CPU model, its count and the ISA flags that matter here (from /proc/cpuinfo)."""
     model, flags = "?", set()
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -91,8 +96,9 @@ def _cpu_line() -> str:
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and not flags:
                 flags = set(line.split(":", 1)[1].split())
-    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags]
-    return f"# {model}, {os.cpu_count()} CPUs; flags: {' '.join(isa)}"
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "sha_ni")
+           if x in flags]
+    return f"{model}, {os.cpu_count()} CPUs; flags: {' '.join(isa)}"
 
 
 def model_path() -> str:

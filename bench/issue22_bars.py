@@ -29,22 +29,13 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_vs_vllm import cpu_description  # noqa: E402 - a sibling script, not a package
+
 ROOT = os.path.dirname(HERE)
 PARTS = ("offline", "serve", "contention", "step", "hashing", "twins")
 NEEDS_VLLM = {"offline", "serve", "step"}
-
-
-def cpu_line() -> str:
-    model, flags = "?", set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name") and model == "?":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "sha_ni")
-           if x in flags]
-    return f"{model}, {os.cpu_count()} CPUs; flags: {' '.join(isa)}"
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 3600) -> str:
@@ -167,14 +158,14 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--json", help="write the raw figures and the table here")
     a = ap.parse_args()
-    print(f"# {cpu_line()}", flush=True)
+    print(f"# {cpu_description()}", flush=True)
     parts = [p for p in PARTS if p in a.only]
     if a.vllm_python is None:
         skipped = [p for p in parts if p in NEEDS_VLLM]
         if skipped:
             print(f"# no --vllm-python: skipping {', '.join(skipped)}", flush=True)
         parts = [p for p in parts if p not in NEEDS_VLLM]
-    res: dict = {"cpu": cpu_line()}
+    res: dict = {"cpu": cpu_description()}
     side_by_side = [p for p in ("offline", "serve") if p in parts]
     if side_by_side:
         res.update(vs_vllm(a.vllm_python, side_by_side))

@@ -19,6 +19,7 @@ from enginecore import _native
 from enginecore.executor.abstract import Executor, KVCacheConfig, KVCacheSpec, completed_future
 from enginecore.model.lora_slots import LoRASlots
 from enginecore.protocol import LoRARequest
+from enginecore.sched.arg_checks import INT64_MAX
 from enginecore.sched.output import ModelRunnerOutput, SchedulerOutput
 
 _MASK = (1 << 64) - 1
@@ -26,9 +27,6 @@ _MASK = (1 << 64) - 1
 # 16-byte bytearray both loops update in place (native byte order: the C++ loop
 # reads it with memcpy), so a step allocates no int per request for it.
 _STATE = struct.Struct("=Qq")
-
-
-_INT64_MAX = (1 << 63) - 1
 
 
 def _check_state(state: Any) -> None:
@@ -79,7 +77,7 @@ def synthetic_sample_py(
     for rid, num_scheduled in scheduled.items():
         st = state[rid]
         _check_state(st)
-        seed, known = _STATE.unpack(st)
+        seed, known = state_fields(st)
         drafts = spec.get(rid)
         n = num_scheduled - len(drafts) if drafts else num_scheduled
         if computed[rid] + n < known:
@@ -94,7 +92,7 @@ def synthetic_sample_py(
                 pos += 1
                 tokens.append(synthetic_token(seed, pos, vocab_size))
         known_after = known + len(tokens)
-        if known_after > _INT64_MAX:
+        if known_after > INT64_MAX:
             raise ValueError("synthetic state: tokens known past int64")
         _check_state(st)  # again, as the native loop (a draft's Python code ran)
         _STATE.pack_into(st, 0, seed, known_after)
