@@ -34,6 +34,24 @@ ECK_INLINE float round_to(float x, const bf16*) {
   return to_f32(b);
 }
 
+// (e^r - 1) / r = 1 + r/2! + ... + r^12/13! for |r| <= ln2 / 2: exp_f64's polynomial
+// without its constant term, so that expm1 of a small argument keeps its digits.
+ECK_INLINE double exp_taylor_tail(double r) {
+  double p = 1.6059043836821613e-10;  // 1/13!
+  p = p * r + 2.08767569878681e-09;   // 1/12!
+  p = p * r + 2.505210838544172e-08;  // 1/11!
+  p = p * r + 2.755731922398589e-07;  // 1/10!
+  p = p * r + 2.7557319223985893e-06;
+  p = p * r + 2.48015873015873e-05;
+  p = p * r + 1.984126984126984e-04;
+  p = p * r + 1.388888888888889e-03;
+  p = p * r + 8.333333333333333e-03;
+  p = p * r + 4.1666666666666664e-02;
+  p = p * r + 1.6666666666666666e-01;
+  p = p * r + 0.5;
+  return p * r + 1.0;
+}
+
 // exp in float64: Cody-Waite split x = n ln2 + r (|r| <= ln2 / 2), a degree-13
 // Taylor polynomial for exp(r) (remainder under 2^-57), then 2^n by the exponent
 // bits: within a few double ulp of exp, written so the compiler vectorizes it.
@@ -52,30 +70,25 @@ ECK_INLINE double exp_f64(double x) {
   const double n = shifted - 6755399441055744.0;
   double r = xc - n * 6.93147180369123816490e-01;  // ln2's high part: n * it is exact
   r = r - n * 1.90821492927058770002e-10;           // and its low part
-  double p = 1.6059043836821613e-10;  // 1/13!
-  p = p * r + 2.08767569878681e-09;   // 1/12!
-  p = p * r + 2.505210838544172e-08;  // 1/11!
-  p = p * r + 2.755731922398589e-07;  // 1/10!
-  p = p * r + 2.7557319223985893e-06;
-  p = p * r + 2.48015873015873e-05;
-  p = p * r + 1.984126984126984e-04;
-  p = p * r + 1.388888888888889e-03;
-  p = p * r + 8.333333333333333e-03;
-  p = p * r + 4.1666666666666664e-02;
-  p = p * r + 1.6666666666666666e-01;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
+  const double p = exp_taylor_tail(r) * r + 1.0;
   const int64_t e = (__builtin_bit_cast(int64_t, shifted) - 0x4338000000000000LL) + 1023;
   const double y = p * __builtin_bit_cast(double, e << 52);
   return x < -708.0 ? 0.0 : (x > 709.0 ? __builtin_inf() : y);
 }
 
-// tanh in float64 from exp_f64 (odd; 1 - 2 / (e^2a + 1) for a = |x|, capped where
-// it is 1 in double).
+// tanh in float64 from exp_f64 (odd; a = |x|): 1 - 2 / (e^2a + 1), capped where it
+// is 1 in double; below a = 0.17 (2a inside exp's reduced range) e^2a - 1 from the
+// polynomial's tail, over itself plus 2: the subtraction from 1 would cancel the
+// leading digits of a small tanh (a soft cap far above the scores: ~1e-11 apart
+// from torch's tanh at a cap of 1e5, a few double ulp now).
 ECK_INLINE double tanh_f64(double x) {
   const double a = x < 0 ? -x : x;
-  const double t = 1.0 - 2.0 / (exp_f64(2.0 * (a > 20.0 ? 20.0 : a)) + 1.0);
+  const bool small = a < 0.17;
+  const double s = small ? 2.0 * a : 0.0;  // both sides computed: the loop vectorizes
+  const double em1 = exp_taylor_tail(s) * s;
+  const double t_small = em1 / (em1 + 2.0);
+  const double t_big = 1.0 - 2.0 / (exp_f64(2.0 * (a > 20.0 ? 20.0 : a)) + 1.0);
+  const double t = small ? t_small : t_big;
   return x < 0 ? -t : t;
 }
 

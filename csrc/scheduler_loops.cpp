@@ -139,20 +139,24 @@ py::list int_list(const std::vector<int32_t>& v) {
   return out;
 }
 
-// schedule_running's victim: the last running request not in flight (FCFS),
-// or the first with the greatest (priority, arrival time) (priority); -1: none.
+// schedule_running's victim: the last running request not in flight (FCFS:
+// read from the end, the first that may go), or the first with the greatest
+// (priority, arrival time) (priority); -1: none.
 Py_ssize_t pick_victim(RequestTable& t, PyObject* running, PyObject* in_flight, bool priority) {
+  const Py_ssize_t n = PyList_GET_SIZE(running);
+  if (!priority) {
+    for (Py_ssize_t j = n - 1; j >= 0; --j) {
+      const Row& r = t.row(slot_of_request(PyList_GET_ITEM(running, j)));
+      if (!contains(in_flight, r.request_id.ptr())) return j;
+    }
+    return -1;
+  }
   Py_ssize_t best = -1;
   int64_t best_prio = 0;
   double best_arrival = 0.0;
-  const Py_ssize_t n = PyList_GET_SIZE(running);
   for (Py_ssize_t j = 0; j < n; ++j) {
     Row& r = t.row(slot_of_request(PyList_GET_ITEM(running, j)));
     if (contains(in_flight, r.request_id.ptr())) continue;
-    if (!priority) {
-      best = j;
-      continue;
-    }
     if (best < 0 || r.priority > best_prio ||
         (r.priority == best_prio && r.arrival_time > best_arrival)) {
       best = j;

@@ -172,7 +172,7 @@ def test_kernels_split_work_on_torchs_own_openmp():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group,new_tokens", [(1, 1), (3, 1), (4, 2), (7, 1), (8, 1), (3, 2)])
-@pytest.mark.parametrize("window,cap", [(None, None), (40, None), (None, 30.0)])
+@pytest.mark.parametrize("window,cap", [(None, None), (40, None), (None, 30.0), (None, 1e5)])
 def test_decode_rows_on_every_path(dtype, head_dim, group, new_tokens, window, cap):
     """The shapes the AVX-512 register path takes (head_dim 64 / 128, up to 8 rows per
     KV head; attention_decode_avx512.h) and the ones next to it, over contexts that

@@ -354,6 +354,13 @@ def subclass_property(t, sched):
     return second
 
 
+def victim_negative_slot(t, sched, **kw):
+    """r0 needs every block; the victim search meets a slot of -1 before r1."""
+    r0, r1, _ = three_running(t)
+    t.append_token_ids(0, [5] * 8)
+    return schedule(t, sched, running=[r0, r1, Req(-1)], **kw)
+
+
 def schedule(t, sched, **kw):
     args = dict(skip=set(), in_flight=None, token_budget=100, threshold=0, max_len_1=100,
                 max_model_len=100, priority=False)
@@ -413,6 +420,12 @@ LOOP_CASES = {
                                                  slot_of={"r0": 99, "r1": "x", "r2": 2**70}),
     # Fixed: a bad sampled token was kept in Python's row before the hash failed.
     "sampled_unhashable": lambda t, s, u: decode(t, s, u, [[-5], [2**32], [2**70]]),
+    # Fixed: a negative slot read the last row in Python (lists index from the end);
+    # natively "no request in slot -1". In the loop and in the victim search.
+    "running_negative_slot": lambda t, s, u: (three_running(t),
+                                              schedule(t, s, running=[Req(-1)])),
+    "victim_negative_slot": lambda t, s, u: victim_negative_slot(t, s),
+    "victim_negative_slot_priority": lambda t, s, u: victim_negative_slot(t, s, priority=True),
     # Held.
     "plain": lambda t, s, u: schedule(t, s),
     "budget_negative": lambda t, s, u: schedule(t, s, token_budget=-5),

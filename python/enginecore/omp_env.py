@@ -26,9 +26,10 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-# Spin rounds before a waiting libgomp thread sleeps (one round is a `pause`,
-# tens of cycles on Zen 2+ and Ice Lake+): a few milliseconds, two thirds of
-# libgomp's own 300k. Long enough that the gaps of a serving step (the API
+# Spin rounds before a waiting libgomp thread sleeps (one round is a load and a
+# `pause`: 25 ns, 64 TSC cycles, measured on the AVX-512 EPYC (Zen 4); Intel's
+# server cores since Skylake take ~140 cycles per `pause`): ~5 ms here, ~10 ms
+# there, two thirds of libgomp's own 300k. Long enough that the gaps of a serving step (the API
 # process and the client taking a core for a moment) are spun through instead
 # of paid for with a futex sleep and wake per parallel region: at 20000 rounds,
 # serving at c=32 ran 12 % slower and c=1 9 % slower (docs/benchmarks.md, round

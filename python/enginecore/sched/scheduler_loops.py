@@ -56,15 +56,26 @@ class DecodeUpdate(NamedTuple):
 def _pick_victim_py(table: PyRequestTable, running: list, in_flight: Any,
                     priority: bool) -> int:
     """Index in ``running`` of the request to preempt (-1: none): the last one
-    (FCFS) or the lowest priority, latest arrival (priority). In-flight ones are spared."""
+    (FCFS) or the lowest priority, latest arrival (priority). In-flight ones are spared.
+    FCFS reads from the end and stops at the first it may take (the native loop too)."""
+    rids = table.request_id
+    if not priority:
+        for j in range(len(running) - 1, -1, -1):
+            s = running[j].slot
+            rid = rids[s]
+            if rid is None or s < 0:
+                table._check(s)  # a released row or a negative slot: IndexError, as native
+            if in_flight is None or rid not in in_flight:
+                return j
+        return -1
     best = -1
     best_key: tuple[int, float] | None = None
     for j, request in enumerate(running):
         s = request.slot
-        if in_flight is not None and table.request_id[s] in in_flight:
-            continue
-        if not priority:
-            best = j
+        rid = rids[s]
+        if rid is None or s < 0:
+            table._check(s)
+        if in_flight is not None and rid in in_flight:
             continue
         key = (table.priority[s], table.arrival_time[s])
         if best_key is None or key > best_key:
@@ -118,8 +129,8 @@ def schedule_running_py(table: PyRequestTable, running: list, skip: Any, in_flig
         request = running[i]
         s = request.slot
         rid = rids[s]
-        if rid is None:
-            table._check(s)  # a released row: IndexError, as the native loop
+        if rid is None or s < 0:
+            table._check(s)  # a released row or a negative slot: IndexError, as native
         if rid in skip:
             i += 1
             continue
