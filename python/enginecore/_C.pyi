@@ -217,6 +217,13 @@ def greedy_argmax(logits: int, row_stride: int, rows: int, cols: int, out: int, 
     """out[r] (int64) = the first index of the maximum of logits row r, a NaN counting as
     the maximum (twin: ``model.kernel_twins.greedy_argmax_py``, torch.argmax)."""
 
+def sample_rows(logits: int, row_stride: int, rows: int, cols: int, u: int, out: int,
+                num_threads: int) -> None:
+    """out[r] (int64) = a draw from softmax(float32 logits row r) by the float64 uniform
+    u[r] in [0, 1): the first token whose running sum of exp(logit - max) passes u[r]
+    times the sum (-inf: never drawn); a row whose max is NaN or infinite gives its
+    argmax (twin: ``model.kernel_twins.sample_rows_py``, ``sampler.sample_rows_torch``)."""
+
 def team_thread_ids(num_threads: int) -> list[int]:
     """The Linux thread id of each member of torch's OpenMP team of num_threads threads
     (member 0 is the calling thread); -1 where unknown. No twin: the Python path's

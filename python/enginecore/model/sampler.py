@@ -2,8 +2,11 @@
 penalties, greedy / temperature, top-k, top-p, min-p, per-request seeds, and
 top-N logprobs (of sampled and of prompt positions).
 
-Seeded requests draw from a generator seeded by (seed, position), so a seed
-gives the same tokens whatever the batch around it, and after a preemption.
+A random draw takes one uniform per row (``sample_rows``: the first token whose
+running sum of exp(logit - max) passes u times the sum), natively in one pass
+pair over the row, its twin in torch. Seeded requests draw their uniform from a
+generator seeded by (seed, position), so a seed gives the same tokens whatever
+the batch around it, and after a preemption.
 Logprobs are of the raw model distribution (log_softmax of the logits, before
 penalties and temperature), as in vLLM's default.
 """
@@ -85,6 +88,43 @@ def greedy_argmax_args(logits: torch.Tensor, out: torch.Tensor) -> tuple:
             out.data_ptr(), _ARGMAX_DTYPES[logits.dtype], torch.get_num_threads())
 
 
+def sample_rows_torch(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw of ``_C.sample_rows`` in torch: per row of float32 ``logits`` (-inf:
+    dropped) and float64 ``u`` in [0, 1), the first token whose running sum of
+    exp(logit - max) in float64 passes u times the sum (the last token of nonzero
+    weight if rounding leaves it short); a row whose max is NaN or infinite gives
+    its argmax. Sums in another order than the kernel's: ~1e-16 apart."""
+    top = logits.argmax(dim=-1)
+    m = logits.gather(1, top[:, None]).double()
+    w = torch.exp(logits.double() - m)
+    cum = w.cumsum(dim=-1)
+    target = u.to(device=cum.device, dtype=torch.float64)[:, None] * cum[:, -1:]
+    picked = torch.searchsorted(cum, target, right=True)[:, 0]
+    short = picked >= logits.shape[1]
+    if bool(short.any()):
+        last = logits.shape[1] - 1 - (w > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        picked = torch.where(short, last, picked)
+    return torch.where(torch.isfinite(m[:, 0]), picked, top)
+
+
+def sample_rows(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sample_rows_torch``'s draw, natively for float32 CPU rows (int64 tokens)."""
+    ext = _native.extension()
+    if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0):
+        return sample_rows_torch(logits, u)
+    u = u.to(torch.float64).contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    ext.sample_rows(*sample_rows_args(logits, u, out))
+    return out
+
+
+def sample_rows_args(logits: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> tuple:
+    """What ``_C.sample_rows`` (and ``kernel_twins.sample_rows_py``) take."""
+    return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+            u.data_ptr(), out.data_ptr(), torch.get_num_threads())
+
+
 def _position_seed(seed: int, position: int) -> int:
     z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
     z ^= z >> 31
@@ -102,15 +142,16 @@ class Sampler:
         logits = self._apply_token_controls(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
-        greedy_tokens = logits.argmax(dim=-1)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-        tokens = greedy_tokens
-        if random_idx:
-            tokens = greedy_tokens.clone()
-            idx = torch.tensor(random_idx, dtype=torch.long)
-            sampled = self._sample_random(logits.index_select(0, idx),
-                                          [rows[i] for i in random_idx])
-            tokens.index_copy_(0, idx, sampled)
+        if len(random_idx) == len(rows):  # no greedy row: no argmax pass, no copies
+            tokens = self._sample_random(logits, rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if random_idx:
+                idx = torch.tensor(random_idx, dtype=torch.long)
+                sampled = self._sample_random(logits.index_select(0, idx),
+                                              [rows[i] for i in random_idx])
+                tokens.index_copy_(0, idx, sampled)
         token_list = tokens.tolist()
         logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -216,17 +257,19 @@ class Sampler:
         V = logits.shape[1]
         if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
             logits = self._top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
         if any(m > 0 for m in min_p):
+            probs = logits.softmax(dim=-1)
             mp = torch.tensor(min_p, dtype=probs.dtype)
             keep = probs >= probs.max(dim=-1, keepdim=True).values * mp[:, None]
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        q = torch.empty_like(probs)
+            logits = logits.masked_fill(~keep, float("-inf"))
+        # One uniform per row: the default generator's for unseeded rows, a
+        # (seed, position) generator's for seeded ones.
+        u = torch.empty(len(rows), dtype=torch.float64)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), V, dtype=probs.dtype).exponential_()
+        if len(unseeded) == len(rows):
+            u.uniform_()
+        elif unseeded:
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
         gen = None
         for i, r in enumerate(rows):
             if r.params.seed is None:
@@ -234,8 +277,8 @@ class Sampler:
             if gen is None:
                 gen = torch.Generator()
             gen.manual_seed(_position_seed(r.params.seed, r.position))
-            q[i].exponential_(generator=gen)
-        return (probs / q).argmax(dim=-1)
+            u[i] = torch.rand(1, dtype=torch.float64, generator=gen)
+        return sample_rows(logits, u)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
