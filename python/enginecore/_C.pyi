@@ -217,12 +217,12 @@ def greedy_argmax(logits: int, row_stride: int, rows: int, cols: int, out: int, 
     """out[r] (int64) = the first index of the maximum of logits row r, a NaN counting as
     the maximum (twin: ``model.kernel_twins.greedy_argmax_py``, torch.argmax)."""
 
-def sample_rows(logits: int, row_stride: int, rows: int, cols: int, u: int, out: int,
+def sample_rows(logits: int, row_stride: int, rows: int, cols: int, keys: int, out: int,
                 num_threads: int) -> None:
-    """out[r] (int64) = a draw from softmax(float32 logits row r) by the float64 uniform
-    u[r] in [0, 1): the first token whose running sum of exp(logit - max) passes u[r]
-    times the sum (-inf: never drawn); a row whose max is NaN or infinite gives its
-    argmax (twin: ``model.kernel_twins.sample_rows_py``, ``sampler.sample_rows_torch``)."""
+    """out[r] (int64) = a draw from softmax(float32 logits row r; -inf never drawn): the
+    exponential race argmax_j exp(x_j - max) / E_j with E_j = -log(u_j), u_j hashed from
+    (keys[r], j) (``sampler.race_uniforms``); a row whose max is NaN or infinite gives
+    its argmax (twin: ``model.kernel_twins.sample_rows_py``, ``sampler.sample_rows_torch``)."""
 
 def team_thread_ids(num_threads: int) -> list[int]:
     """The Linux thread id of each member of torch's OpenMP team of num_threads threads

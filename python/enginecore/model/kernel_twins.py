@@ -162,21 +162,20 @@ def greedy_argmax_py(logits: int, row_stride: int, rows: int, cols: int, out: in
     _view(out, torch.int64, (rows,), (1,)).copy_(scores.argmax(dim=-1))
 
 
-def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, u: int, out: int,
+def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, keys: int, out: int,
                    num_threads: int) -> None:
-    """The twin of ``_C.sample_rows``: out[r] (int64) = the draw of float32 logits row r
-    by the float64 uniform u[r] (``sampler.sample_rows_torch``)."""
+    """The twin of ``_C.sample_rows``: out[r] (int64) = the exponential race's draw from
+    float32 logits row r with the Exp(1) variables of int64 keys[r]
+    (``sampler.sample_rows_torch``)."""
     if rows < 0 or cols <= 0:
         raise ValueError("sample_rows: need rows >= 0 and cols > 0")
     if rows > 1 and row_stride < cols:
         raise ValueError("sample_rows: row_stride is shorter than a row")
-    draws = _view(u, torch.float64, (rows,), (1,))
-    if not bool(((draws >= 0) & (draws < 1)).all()):
-        raise ValueError("sample_rows: every u must be in [0, 1)")
     if rows == 0:
         return
     scores = _view(logits, torch.float32, (rows, cols), (row_stride, 1))
-    _view(out, torch.int64, (rows,), (1,)).copy_(sample_rows_torch(scores, draws))
+    row_keys = _view(keys, torch.int64, (rows,), (1,))
+    _view(out, torch.int64, (rows,), (1,)).copy_(sample_rows_torch(scores, row_keys))
 
 
 def cpu_kernels_info_py() -> dict[str, str | bool | int]:

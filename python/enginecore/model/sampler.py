@@ -2,11 +2,11 @@
 penalties, greedy / temperature, top-k, top-p, min-p, per-request seeds, and
 top-N logprobs (of sampled and of prompt positions).
 
-A random draw takes one uniform per row (``sample_rows``: the first token whose
-running sum of exp(logit - max) passes u times the sum), natively in one pass
-pair over the row, its twin in torch. Seeded requests draw their uniform from a
-generator seeded by (seed, position), so a seed gives the same tokens whatever
-the batch around it, and after a preemption.
+A random draw is the exponential race (argmax of p / E, E ~ Exp(1)) with each
+row's E hashed from one key (``sample_rows``: natively in one pass over the row,
+its twin in torch on the same bits). Seeded requests key their row by (seed,
+position), so a seed gives the same tokens whatever the batch around it, and
+after a preemption.
 Logprobs are of the raw model distribution (log_softmax of the logits, before
 penalties and temperature), as in vLLM's default.
 """
@@ -88,41 +88,61 @@ def greedy_argmax_args(logits: torch.Tensor, out: torch.Tensor) -> tuple:
             out.data_ptr(), _ARGMAX_DTYPES[logits.dtype], torch.get_num_threads())
 
 
-def sample_rows_torch(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def race_uniforms(keys: torch.Tensor, cols: int) -> torch.Tensor:
+    """[rows, cols] float64 u_j in (0, 1) of each row's key, as csrc/cpu_kernels_sample_impl.h
+    hashes them: splitmix64's finalizer of key + (j + 1) * golden (int64 words, wrapping
+    products), its top 52 bits k, u = (k + 0.5) * 2^-52 (exact)."""
+    j = torch.arange(1, cols + 1, dtype=torch.int64, device=keys.device)
+    z = keys.to(torch.int64)[:, None] + j[None, :] * _signed64(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed64(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed64(_MIX2)
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 12).to(torch.float64) + 0.5) * 2.0**-52
+
+
+def sample_rows_torch(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The draw of ``_C.sample_rows`` in torch: per row of float32 ``logits`` (-inf:
-    dropped) and float64 ``u`` in [0, 1), the first token whose running sum of
-    exp(logit - max) in float64 passes u times the sum (the last token of nonzero
-    weight if rounding leaves it short); a row whose max is NaN or infinite gives
-    its argmax. Sums in another order than the kernel's: ~1e-16 apart."""
+    dropped), the exponential race argmax_j exp(x_j - max) / E_j in float64 with
+    E_j = -log(u_j), u_j = ``race_uniforms(keys)`` (the kernel's bits); a row whose
+    max is NaN or infinite gives its argmax. torch's exp / log against the kernel's:
+    a few double ulp apart, so the two differ only where two ratios tie that closely."""
     top = logits.argmax(dim=-1)
     m = logits.gather(1, top[:, None]).double()
     w = torch.exp(logits.double() - m)
-    cum = w.cumsum(dim=-1)
-    target = u.to(device=cum.device, dtype=torch.float64)[:, None] * cum[:, -1:]
-    picked = torch.searchsorted(cum, target, right=True)[:, 0]
-    short = picked >= logits.shape[1]
-    if bool(short.any()):
-        last = logits.shape[1] - 1 - (w > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-        picked = torch.where(short, last, picked)
-    return torch.where(torch.isfinite(m[:, 0]), picked, top)
+    ratio = w / -torch.log(race_uniforms(keys, logits.shape[1]))
+    return torch.where(torch.isfinite(m[:, 0]), ratio.argmax(dim=-1), top)
 
 
-def sample_rows(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``sample_rows_torch``'s draw, natively for float32 CPU rows (int64 tokens)."""
     ext = _native.extension()
     if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
             or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0):
-        return sample_rows_torch(logits, u)
-    u = u.to(torch.float64).contiguous()
+        return sample_rows_torch(logits, keys)
+    keys = keys.to(torch.int64).contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    ext.sample_rows(*sample_rows_args(logits, u, out))
+    ext.sample_rows(*sample_rows_args(logits, keys, out))
     return out
 
 
-def sample_rows_args(logits: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> tuple:
+def sample_rows_args(logits: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> tuple:
     """What ``_C.sample_rows`` (and ``kernel_twins.sample_rows_py``) take."""
     return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-            u.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            keys.data_ptr(), out.data_ptr(), torch.get_num_threads())
 
 
 def _position_seed(seed: int, position: int) -> int:
@@ -262,23 +282,13 @@ class Sampler:
             mp = torch.tensor(min_p, dtype=probs.dtype)
             keep = probs >= probs.max(dim=-1, keepdim=True).values * mp[:, None]
             logits = logits.masked_fill(~keep, float("-inf"))
-        # One uniform per row: the default generator's for unseeded rows, a
-        # (seed, position) generator's for seeded ones.
-        u = torch.empty(len(rows), dtype=torch.float64)
-        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if len(unseeded) == len(rows):
-            u.uniform_()
-        elif unseeded:
-            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
-        gen = None
+        # The race's key per row: (seed, position) for a seeded row (the same draw
+        # whatever the batch, and after a preemption), the default generator's otherwise.
+        keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64)
         for i, r in enumerate(rows):
-            if r.params.seed is None:
-                continue
-            if gen is None:
-                gen = torch.Generator()
-            gen.manual_seed(_position_seed(r.params.seed, r.position))
-            u[i] = torch.rand(1, dtype=torch.float64, generator=gen)
-        return sample_rows(logits, u)
+            if r.params.seed is not None:
+                keys[i] = _position_seed(r.params.seed, r.position)
+        return sample_rows(logits, keys)
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
