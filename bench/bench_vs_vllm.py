@@ -7,7 +7,7 @@ torchcodec, whose PyPI builds do not load with the CPU torch).
 
     offline: LLM() of each, bf16 (``--dtype``), 64-token random-id prompts, 128 tokens
              (ignore_eos; greedy, or ``--temperature 1.0`` as vLLM's default
-             SamplingParams draws), batch 1 / 8 / 64: output tokens/s and start-up
+             SamplingParams draws, ``--top-p``), batch 1 / 8 / 64: output tokens/s and start-up
              (constructor to ready). Same prompts as bench/bench_model.py.
     serve:   `vllm serve` and `enginecore serve`, one after the other, each under
              `vllm bench serve` (``--client vllm-bench``, the default: the reviewers'
@@ -51,19 +51,22 @@ def prompts(n):
 
 def main():
     which, model, dtype, temperature = sys.argv[1], sys.argv[2], sys.argv[4], float(sys.argv[5])
+    top_p = float(sys.argv[6])
     batches = [int(b) for b in sys.argv[3].split(",")]
     t0 = time.perf_counter()
     if which == "vllm":
         from vllm import LLM, SamplingParams
         llm = LLM(model=model, dtype=dtype, max_model_len=1024,
                   gpu_memory_utilization=0.3)
-        params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True)
+        params = SamplingParams(max_tokens=128, temperature=temperature, top_p=top_p,
+                                ignore_eos=True)
         run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
                                       use_tqdm=False)
     else:
         from enginecore import LLM, SamplingParams
         llm = LLM(dtype=dtype, max_model_len=1024)
-        params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True)
+        params = SamplingParams(max_tokens=128, temperature=temperature, top_p=top_p,
+                                ignore_eos=True)
         run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
                                       use_tqdm=False)
     startup = time.perf_counter() - t0
@@ -112,7 +115,7 @@ def model_path() -> str:
 
 
 def offline(vllm_python: str, path: str, batches: str, dtype: str,
-            temperature: float = 0.0) -> dict:
+            temperature: float = 0.0, top_p: float = 1.0) -> dict:
     script = os.path.join("/tmp", "bench_vs_vllm_offline.py")
     with open(script, "w") as f:
         f.write(_OFFLINE)
@@ -121,7 +124,8 @@ def offline(vllm_python: str, path: str, batches: str, dtype: str,
         if which not in ONLY:
             continue
         env = {**os.environ, **(VLLM_ENV if which == "vllm" else {})}
-        proc = subprocess.run([py, script, which, path, batches, dtype, str(temperature)],
+        proc = subprocess.run([py, script, which, path, batches, dtype, str(temperature),
+                               str(top_p)],
                               capture_output=True,
                               text=True, env=env, timeout=1800, cwd="/tmp")
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -222,6 +226,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="offline's sampling temperature (0: greedy; 1.0: vLLM's default "
                          "SamplingParams)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="offline's top_p (vLLM's examples: --temperature 0.8 --top-p 0.95)")
     ap.add_argument("--client", choices=["vllm-bench", "openai"], default="vllm-bench",
                     help="serve's load: `vllm bench serve` from the vLLM venv (the reviewers' "
                          "client, default sampling) or bench_serve.py's greedy openai client")
@@ -232,7 +238,8 @@ def main() -> None:
     path = model_path()
     results = {}
     if "offline" in a.what:
-        results["offline"] = offline(a.vllm_python, path, a.batches, a.dtype, a.temperature)
+        results["offline"] = offline(a.vllm_python, path, a.batches, a.dtype, a.temperature,
+                                     a.top_p)
     if "serve" in a.what:
         results["serve"] = serve(a.vllm_python, path, a.levels, a.dtype, a.client)
     print("ALL " + json.dumps(results))

@@ -127,3 +127,25 @@ def test_temperature_sampling_follows_the_distribution():
         counts[s(logits, [row(SamplingParams(seed=i), pos=i)]).token_ids[0]] += 1
     for c, p in zip(counts, probs.tolist()):
         assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_top_k_keeps_the_values_at_least_the_kth_largest_without_a_sort():
+    """Top-k by ``topk`` (no sort of the vocabulary): every value >= the k-th largest
+    stays (ties at the k-th included), k <= 0 or >= V keeps the row; top-p touches only
+    the rows that set it."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(6, 50, generator=g) * 4).round() / 2  # ties
+    top_k = [1, 5, 0, -1, 50, 7]
+    top_p = [1.0, 1.0, 1.0, 0.5, 1.0, 1.0]
+    out = Sampler._top_k_top_p(logits, top_k, top_p)
+    for r, k in enumerate(top_k):
+        kept = ~torch.isinf(out[r])
+        if r == 3:  # top-p only: the most likely kept, less likely ones dropped
+            assert kept[logits[r].argmax()] and 0 < int(kept.sum()) < 50
+            continue
+        if not 0 < k < 50:
+            assert torch.equal(out[r], logits[r])
+            continue
+        kth = logits[r].sort(descending=True).values[k - 1]
+        assert torch.equal(kept, logits[r] >= kth)
+        assert torch.equal(out[r][kept], logits[r][kept])
