@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
@@ -48,7 +50,7 @@ namespace {
 #define ECK_TABLE(name, ns) \
   CpuKernels {                                                                         \
     name, ns::attend_items, ns::rms_norm, ns::rope, ns::silu_and_mul, ns::argmax_rows, \
-        ns::sample_rows                                                                 \
+        ns::sample_rows, ns::top_p_rows                                                 \
   }
 
 CpuKernels choose() {

@@ -102,6 +102,14 @@ struct SampleParams {
   int64_t* out;         // [rows]
 };
 
+// Top-p in place on float32 logits: what falls outside each row's nucleus becomes -inf.
+struct TopPParams {
+  float* x;  // [rows, cols]
+  int64_t row_stride;
+  int cols;
+  const double* top_p;  // [rows], each in (0, 1]
+};
+
 struct CpuKernels {
   const char* isa;
   void (*attend)(const AttnParams&, const AttnItem&, double* scratch);
@@ -110,6 +118,7 @@ struct CpuKernels {
   void (*silu_and_mul)(const SiluMulParams&, int64_t row_begin, int64_t row_end);
   void (*argmax)(const ArgmaxParams&, int64_t row_begin, int64_t row_end);
   void (*sample)(const SampleParams&, int64_t row_begin, int64_t row_end);
+  void (*top_p)(const TopPParams&, int64_t row_begin, int64_t row_end);
 };
 
 // The best variant this CPU runs (AVX-512, AVX2 or baseline), chosen once.

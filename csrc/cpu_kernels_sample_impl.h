@@ -114,4 +114,84 @@ void sample_rows(const SampleParams& p, int64_t r0, int64_t r1) {
   }
 }
 
+// -- top-p ---------------------------------------------------------------------------
+// <-> python/enginecore/model/sampler.py top_p_rows_torch. Rank the row by (x desc,
+// index asc); keep token i iff the weight of the tokens ranked above it (w = exp(x -
+// max), float64) is < p * sum w; the rest become -inf. The kept tokens are a prefix of
+// that order, so only its last one is looked for: weights summed into buckets linear
+// in x (kTopPBuckets over [max - 708, max]: below, exp is 0 here), the bucket the
+// target falls in ranked by a sort of its few tokens, then one pass writes -inf. The
+// twin sorts the whole row (~2 ms a 49k row); sums in another order: ~1e-16 apart.
+// A row whose max is NaN or infinite, or whose p is 1, is left as it is.
+
+constexpr int kTopPBuckets = 2048;
+
+struct TopPScratch {
+  std::vector<double> w, bucket_w;
+  std::vector<int> bucket_of;
+  std::vector<std::pair<float, int>> tied;  // the boundary bucket's (x, index)
+};
+
+void top_p_row(float* x, int n, double p, TopPScratch& s) {
+  if (p >= 1.0) return;  // the whole row
+  const int64_t a = argmax_row(x, n);
+  const float top = x[a];
+  if (!(top - top == 0.0f)) return;  // NaN or +-inf: left alone
+  const double m = top;
+  const double lo = m - 708.0;
+  s.w.resize(n);
+  s.bucket_of.resize(n);
+  s.bucket_w.assign(kTopPBuckets, 0.0);
+  const double scale = kTopPBuckets / 708.0;
+  double total = 0.0;
+#pragma omp simd reduction(+ : total)
+  for (int j = 0; j < n; ++j) {
+    const double d = static_cast<double>(x[j]) - m;
+    const double e = exp_f64(d);
+    s.w[j] = e;
+    total += e;
+    // Monotone in x; -1: weight 0 (below max - 708, or -inf).
+    const double f = (static_cast<double>(x[j]) - lo) * scale;
+    s.bucket_of[j] = f >= 0.0 ? (f < kTopPBuckets ? static_cast<int>(f) : kTopPBuckets - 1) : -1;
+  }
+  for (int j = 0; j < n; ++j) {
+    if (s.bucket_of[j] >= 0) s.bucket_w[s.bucket_of[j]] += s.w[j];
+  }
+  const double target = p * total;
+  double above = 0.0;  // weight of the buckets over b
+  int b = kTopPBuckets - 1;
+  for (; b >= 0; --b) {
+    if (above + s.bucket_w[b] >= target) break;
+    above += s.bucket_w[b];
+  }
+  if (b < 0) return;  // the sums fell short of p * total (rounding): keep the row
+  s.tied.clear();
+  for (int j = 0; j < n; ++j) {
+    if (s.bucket_of[j] == b) s.tied.emplace_back(x[j], j);
+  }
+  std::sort(s.tied.begin(), s.tied.end(), [](const auto& l, const auto& r) {
+    return l.first > r.first || (l.first == r.first && l.second < r.second);
+  });
+  // The last token kept: the last in rank order whose weight above is < target.
+  float last_x = s.tied.front().first;
+  int last_j = s.tied.front().second;
+  for (const auto& [v, j] : s.tied) {
+    if (above >= target) break;
+    last_x = v;
+    last_j = j;
+    above += s.w[j];
+  }
+  for (int j = 0; j < n; ++j) {
+    const bool keep = x[j] > last_x || (x[j] == last_x && j <= last_j);
+    if (!keep) x[j] = -__builtin_inff();
+  }
+}
+
+void top_p_rows(const TopPParams& p, int64_t r0, int64_t r1) {
+  thread_local TopPScratch scratch;
+  for (int64_t row = r0; row < r1; ++row) {
+    top_p_row(p.x + row * p.row_stride, p.cols, p.top_p[row], scratch);
+  }
+}
+
 #undef ECK_INLINE

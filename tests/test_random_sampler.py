@@ -2,7 +2,9 @@
 <-> ``kernel_twins.sample_rows_py`` / ``sampler.sample_rows_torch``): the same tokens on
 both paths, the hash's bits, the softmax's distribution, the edge rows (NaN, inf,
 everything dropped), bad input refused alike, draws that a batch-sized change of the
-logits leaves alone, and the engine's seeded sampling equal on both paths."""
+logits leaves alone, and the engine's seeded sampling equal on both paths. Top-p
+(``_C.top_p_rows`` <-> ``top_p_rows_py`` / ``top_p_rows_torch``): the same masks, the
+nucleus vLLM's rule keeps."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ import torch
 from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams, _native
 from enginecore.model import kernel_twins
 from enginecore.model.sampler import (
+    Sampler,
     race_uniforms,
     sample_rows,
     sample_rows_args,
     sample_rows_torch,
+    top_p_rows,
+    top_p_rows_args,
+    top_p_rows_torch,
 )
 from helpers import run_to_completion
 from tiny_models import make_tiny_model
@@ -145,6 +151,93 @@ def test_kernel_and_twin_refuse_bad_input_alike(fn, bad):
         fn(*args)
 
 
+def both_top_p(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel's logits, twin's logits) after top-p, each on its own copy."""
+    got = []
+    for fn in (C.top_p_rows, kernel_twins.top_p_rows_py):
+        out = logits.clone()
+        fn(*top_p_rows_args(out, p))
+        got.append(out)
+    return got[0], got[1]
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 17, 2048, 49152])
+@pytest.mark.parametrize("spread", [0.0, 0.5, 4.0, 60.0])
+def test_top_p_kernel_and_twin_keep_the_same_tokens(vocab, spread):
+    g = torch.Generator().manual_seed(vocab + int(spread * 10))
+    rows = 12
+    logits = torch.randn(rows, vocab, generator=g) * spread
+    logits[::3] = (logits[::3] * 2).round() / 2  # ties across the boundary
+    if vocab > 3:
+        logits[1::4, ::5] = float("-inf")  # top-k's drops before top-p
+    p = torch.rand(rows, dtype=torch.float64, generator=g) * 0.99 + 0.005
+    p[0] = 1.0
+    native, twin = both_top_p(logits, p)
+    assert torch.equal(native, twin)
+    assert torch.equal(top_p_rows(logits, p), native)
+    assert torch.equal(top_p_rows_torch(logits, p), native)
+    assert torch.equal(native[0], logits[0])  # p = 1: the whole row
+    kept = ~torch.isinf(native)
+    assert bool(kept.gather(1, logits.argmax(dim=-1, keepdim=True)).all())  # the top stays
+    assert torch.equal(native[kept], logits[kept])
+
+
+def test_top_p_keeps_vllms_nucleus():
+    """The kept set is vLLM's (drop from the least likely while the ascending cumulative
+    probability stays <= 1 - p) away from rounding ties; the most likely always."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(16, 3000, generator=g) * 3
+    p = torch.linspace(0.05, 0.99, 16, dtype=torch.float64)
+    ours = ~torch.isinf(both_top_p(logits, p)[0])
+    ls, order = logits.sort(dim=-1)
+    drop = ls.double().softmax(dim=-1).cumsum(dim=-1) <= 1 - p[:, None]
+    drop[:, -1] = False
+    theirs = torch.empty_like(drop).scatter_(1, order, ~drop)
+    assert torch.equal(ours, theirs)
+    tiny_p = torch.full((1,), 1e-9, dtype=torch.float64)
+    assert int((~torch.isinf(both_top_p(logits[:1], tiny_p)[0])).sum()) == 1
+
+
+def test_top_p_leaves_rows_without_a_distribution_alone():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(6))
+    logits[0, 3] = float("nan")
+    logits[1, 5] = float("inf")
+    logits[2] = float("-inf")
+    native, twin = both_top_p(logits, torch.full((3,), 0.5, dtype=torch.float64))
+    assert torch.equal(native.isnan(), logits.isnan()) and torch.equal(twin.isnan(), logits.isnan())
+    keep = ~logits.isnan()
+    assert torch.equal(native[keep], logits[keep]) and torch.equal(twin[keep], logits[keep])
+
+
+@pytest.mark.parametrize("fn", [C.top_p_rows if C else None, kernel_twins.top_p_rows_py])
+@pytest.mark.parametrize("bad", ["p_zero", "p_above_one", "p_nan", "no_columns", "short_stride"])
+def test_top_p_kernel_and_twin_refuse_bad_input_alike(fn, bad):
+    logits = torch.zeros(2, 8)
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    args = list(top_p_rows_args(logits, p))
+    if bad == "p_zero":
+        p[1] = 0.0
+    elif bad == "p_above_one":
+        p[0] = 1.5
+    elif bad == "p_nan":
+        p[0] = float("nan")
+    elif bad == "no_columns":
+        args[3] = 0
+    else:
+        args[1] = 4
+    with pytest.raises(ValueError):
+        fn(*args)
+
+
+def test_sampler_top_p_touches_only_the_rows_that_set_it():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, 500, generator=g) * 3
+    out = Sampler._top_k_top_p(logits, [0, 0, 10, 0], [1.0, 0.6, 1.0, 0.9])
+    assert torch.equal(out[0], logits[0])
+    assert int((~out[2].isinf()).sum()) == 10
+    assert 0 < int((~out[1].isinf()).sum()) < 500 and 0 < int((~out[3].isinf()).sum()) < 500
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "llama", seed=11)
@@ -175,3 +268,21 @@ def test_seeded_temperature_sampling_is_the_same_on_both_paths(tiny):
         _native._enabled = previous
     assert results[0] == results[1]
     assert all(len(t) == 12 for t in results[0].values())
+
+
+def test_a_key_per_row_and_broadcast_rows():
+    """Keys (and top-p values) must match the rows, on both paths alike; broadcast rows
+    (stride 0) draw what their copies draw."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    for keys in (torch.arange(2), torch.tensor(7), torch.arange(4)):
+        for fn in (sample_rows, sample_rows_torch):
+            with pytest.raises((ValueError, RuntimeError, IndexError)):
+                fn(logits, keys)
+        with pytest.raises(ValueError):
+            sample_rows(logits, keys)
+    with pytest.raises(ValueError):
+        top_p_rows(logits, torch.full((2,), 0.5, dtype=torch.float64))
+    row = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    keys = torch.arange(4)
+    assert torch.equal(sample_rows(row.expand(4, -1), keys),
+                       sample_rows(row.expand(4, -1).contiguous(), keys))

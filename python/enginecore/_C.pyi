@@ -224,6 +224,14 @@ def sample_rows(logits: int, row_stride: int, rows: int, cols: int, keys: int, o
     (keys[r], j) (``sampler.race_uniforms``); a row whose max is NaN or infinite gives
     its argmax (twin: ``model.kernel_twins.sample_rows_py``, ``sampler.sample_rows_torch``)."""
 
+def top_p_rows(logits: int, row_stride: int, rows: int, cols: int, top_p: int,
+               num_threads: int) -> None:
+    """In place on float32 logits: rank row r by (logit desc, index asc) and set to -inf
+    every token whose more likely tokens already weigh >= top_p[r] (float64 in (0, 1])
+    of the row (weights exp(logit - max) in float64); a row whose max is NaN or infinite,
+    or whose top_p is 1, is left alone (twin: ``model.kernel_twins.top_p_rows_py``,
+    ``sampler.top_p_rows_torch``)."""
+
 def team_thread_ids(num_threads: int) -> list[int]:
     """The Linux thread id of each member of torch's OpenMP team of num_threads threads
     (member 0 is the calling thread); -1 where unknown. No twin: the Python path's

@@ -31,7 +31,7 @@ from enginecore.model.linear import (
     unpack_panels,
 )
 from enginecore.model.rope import apply_rope
-from enginecore.model.sampler import sample_rows_torch
+from enginecore.model.sampler import sample_rows_torch, top_p_rows_torch
 
 # The kernels' dtype codes (csrc/cpu_kernels.h DType).
 _DTYPES = {0: torch.float32, 1: torch.bfloat16}
@@ -176,6 +176,23 @@ def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, keys: int
     scores = _view(logits, torch.float32, (rows, cols), (row_stride, 1))
     row_keys = _view(keys, torch.int64, (rows,), (1,))
     _view(out, torch.int64, (rows,), (1,)).copy_(sample_rows_torch(scores, row_keys))
+
+
+def top_p_rows_py(logits: int, row_stride: int, rows: int, cols: int, top_p: int,
+                  num_threads: int) -> None:
+    """The twin of ``_C.top_p_rows``: in place, -inf for every token of float32 logits
+    row r outside its top_p[r] nucleus (``sampler.top_p_rows_torch``)."""
+    if rows < 0 or cols <= 0:
+        raise ValueError("top_p_rows: need rows >= 0 and cols > 0")
+    if rows > 1 and row_stride < cols:
+        raise ValueError("top_p_rows: row_stride is shorter than a row")
+    if rows == 0:
+        return
+    p = _view(top_p, torch.float64, (rows,), (1,))
+    if not bool(((p > 0) & (p <= 1)).all()):
+        raise ValueError("top_p_rows: every top_p must be in (0, 1]")
+    scores = _view(logits, torch.float32, (rows, cols), (row_stride, 1))
+    scores.copy_(top_p_rows_torch(scores, p))
 
 
 def cpu_kernels_info_py() -> dict[str, str | bool | int]:

@@ -127,8 +127,17 @@ def sample_rows_torch(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(m[:, 0]), ratio.argmax(dim=-1), top)
 
 
+def _check_per_row(logits: torch.Tensor, per_row: torch.Tensor, name: str) -> None:
+    if logits.dim() != 2 or tuple(per_row.shape) != (logits.shape[0],):
+        raise ValueError(f"{name} must hold one value per row of [rows, vocab] logits: "
+                         f"{list(per_row.shape)} for logits {list(logits.shape)}")
+
+
 def sample_rows(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``sample_rows_torch``'s draw, natively for float32 CPU rows (int64 tokens)."""
+    _check_per_row(logits, keys, "keys")
+    if logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]:
+        logits = logits.contiguous()  # broadcast rows (stride 0): the kernel reads rows
     ext = _native.extension()
     if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
             or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0):
@@ -143,6 +152,43 @@ def sample_rows_args(logits: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
     """What ``_C.sample_rows`` (and ``kernel_twins.sample_rows_py``) take."""
     return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
             keys.data_ptr(), out.data_ptr(), torch.get_num_threads())
+
+
+def top_p_rows_torch(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p as ``_C.top_p_rows`` does it (a new tensor here): rank each row by (logit
+    desc, index asc) and drop (-inf) every token whose more likely tokens weigh >= p
+    of the row, weights exp(logit - max) in float64 (vLLM's rule "drop while the
+    ascending cumulative probability <= 1 - p", in exact arithmetic); a row whose max
+    is NaN or infinite, or whose p is 1, is left alone. Sums in another order than the
+    kernel's: ~1e-16."""
+    m = logits.max(dim=-1, keepdim=True).values.double()
+    order = logits.argsort(dim=-1, descending=True, stable=True)
+    w = torch.exp(logits.double() - m).gather(1, order)
+    cum = w.cumsum(dim=-1)
+    above = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    p = top_p.to(device=logits.device, dtype=torch.float64)[:, None]
+    keep = torch.empty_like(order, dtype=torch.bool).scatter_(1, order, above < p * cum[:, -1:])
+    keep |= ~torch.isfinite(m) | (p >= 1)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_rows(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``top_p_rows_torch``'s mask, natively (on a copy) for float32 CPU rows."""
+    _check_per_row(logits, top_p, "top_p")
+    ext = _native.extension()
+    if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() != 2 or logits.shape[1] == 0):
+        return top_p_rows_torch(logits, top_p)
+    out = logits.contiguous().clone()
+    p = top_p.to(torch.float64).contiguous()
+    ext.top_p_rows(*top_p_rows_args(out, p))
+    return out
+
+
+def top_p_rows_args(logits: torch.Tensor, top_p: torch.Tensor) -> tuple:
+    """What ``_C.top_p_rows`` (and ``kernel_twins.top_p_rows_py``) take."""
+    return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+            top_p.data_ptr(), torch.get_num_threads())
 
 
 def _position_seed(seed: int, position: int) -> int:
@@ -294,9 +340,8 @@ class Sampler:
     def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         """Drop (-inf) what top-k then top-p leave out, as vLLM does: top-k keeps the
         values >= the k-th largest (by ``topk``, not a sort of the vocabulary: 32 x 49k
-        sorted in ~60 ms here); top-p sorts the rows that set it and drops from the
-        least likely while the ascending cumulative probability stays <= 1 - p, the
-        most likely token always kept."""
+        sorted in ~60 ms here); top-p (``top_p_rows``) keeps, in (logit desc, index
+        asc) order, the tokens whose more likely ones weigh < p, on the rows that set it."""
         V = logits.shape[1]
         ks = [kk if 0 < kk < V else V for kk in top_k]
         if any(k < V for k in ks):
@@ -308,19 +353,11 @@ class Sampler:
         rows = [i for i, p in enumerate(top_p) if p < 1.0]
         if not rows:
             return logits
-        idx = torch.tensor(rows, dtype=torch.long)
-        sub = logits.index_select(0, idx) if len(rows) < len(top_p) else logits
-        sorted_logits, order = sub.sort(dim=-1, descending=False)
-        p = torch.tensor([top_p[i] for i in rows], dtype=logits.dtype)
-        probs = sorted_logits.softmax(dim=-1)
-        cum = probs.cumsum(dim=-1)
-        drop = cum <= (1 - p)[:, None]
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        kept = torch.empty_like(sub).scatter_(1, order, sorted_logits)
+        p = torch.tensor([top_p[i] for i in rows], dtype=torch.float64)
         if len(rows) == len(top_p):
-            return kept
-        return logits.index_copy(0, idx, kept)
+            return top_p_rows(logits, p)
+        idx = torch.tensor(rows, dtype=torch.long)
+        return logits.index_copy(0, idx, top_p_rows(logits.index_select(0, idx), p))
 
     # -- logprobs ------------------------------------------------------------------------
     @staticmethod
