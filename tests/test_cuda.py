@@ -138,3 +138,25 @@ def test_dp_ranks_beyond_the_devices_are_refused(tiny, cuda_device, monkeypatch)
                      ).create_engine_config()
     with pytest.raises(ValueError, match=f"needs {n + 1} devices, but only {n}"):
         rank_devices(cfg)
+
+
+def test_seeded_random_sampling_on_the_device(tiny, cuda_device):
+    """Temperature, top-k, top-p and min-p draws on the device (the sampler's torch path:
+    the race's uniforms and top-p's sort made where the logits are): a seed gives the
+    same tokens twice, and every token is in the vocabulary."""
+    model_dir = tiny("llama")
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=6, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, top_k=5, min_p=0.05, seed=7,
+                             ignore_eos=True)]
+    runs = []
+    for _ in range(2):
+        eng = EngineCore(EngineArgs(**args(model_dir, cuda_device)).create_engine_config())
+        for i, sp in enumerate(params):
+            eng.add_request(EngineCoreRequest(f"s{i}", [3 + i, 9, 27], sp))
+        done = run_to_completion(eng)
+        eng.shutdown()
+        runs.append({rid: done[rid]["tokens"] for rid in sorted(done)})
+    vocab = eng.model_executor.runner.model.cfg.vocab_size
+    assert runs[0] == runs[1]
+    assert all(len(t) == 6 and all(0 <= x < vocab for x in t) for t in runs[0].values())

@@ -123,7 +123,7 @@ def sample_rows_torch(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     top = logits.argmax(dim=-1)
     m = logits.gather(1, top[:, None]).double()
     w = torch.exp(logits.double() - m)
-    ratio = w / -torch.log(race_uniforms(keys, logits.shape[1]))
+    ratio = w / -torch.log(race_uniforms(keys.to(logits.device), logits.shape[1]))
     return torch.where(torch.isfinite(m[:, 0]), ratio.argmax(dim=-1), top)
 
 
