@@ -58,17 +58,13 @@ def main():
         from vllm import LLM, SamplingParams
         llm = LLM(model=model, dtype=dtype, max_model_len=1024,
                   gpu_memory_utilization=0.3)
-        params = SamplingParams(max_tokens=128, temperature=temperature, top_p=top_p,
-                                ignore_eos=True)
-        run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
-                                      use_tqdm=False)
     else:
         from enginecore import LLM, SamplingParams
         llm = LLM(dtype=dtype, max_model_len=1024)
-        params = SamplingParams(max_tokens=128, temperature=temperature, top_p=top_p,
-                                ignore_eos=True)
-        run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
-                                      use_tqdm=False)
+    params = SamplingParams(max_tokens=128, temperature=temperature, top_p=top_p,
+                            ignore_eos=True)
+    run = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,
+                                  use_tqdm=False)
     startup = time.perf_counter() - t0
     run(prompts(1))  # warm
     rows = {"startup_s": startup}
@@ -125,9 +121,8 @@ def offline(vllm_python: str, path: str, batches: str, dtype: str,
             continue
         env = {**os.environ, **(VLLM_ENV if which == "vllm" else {})}
         proc = subprocess.run([py, script, which, path, batches, dtype, str(temperature),
-                               str(top_p)],
-                              capture_output=True,
-                              text=True, env=env, timeout=1800, cwd="/tmp")
+                               str(top_p)], capture_output=True, text=True, env=env,
+                              timeout=1800, cwd="/tmp")
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not line:
             raise RuntimeError(f"{which} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -22,70 +22,64 @@ namespace {
 // Below this many logits in all, one thread: waking the team costs more.
 constexpr int64_t kParallelMinLogits = 1 << 15;
 
+void check_rows(int64_t rows, int cols, int64_t row_stride) {
+  if (rows < 0 || cols <= 0) throw std::invalid_argument("need rows >= 0 and cols > 0");
+  if (rows > 1 && row_stride < cols) {
+    throw std::invalid_argument("row_stride is shorter than a row");
+  }
+}
+
 // A row's scratch (a vocabulary's worth per thread) may fail to allocate inside the
 // team, where nothing may throw: the failure is noted and raised after the team joins.
-struct Job {
-  const void* params;
+template <typename Params>
+struct RowJob {
+  void (*kernel)(const Params&, int64_t, int64_t);
+  const Params* params;
   std::atomic<bool> failed{false};
 };
 
+template <typename Params>
 void run_row(void* ctx, int64_t i) {
-  auto* job = static_cast<Job*>(ctx);
+  auto* job = static_cast<RowJob<Params>*>(ctx);
   try {
-    cpu_kernels().sample(*static_cast<const SampleParams*>(job->params), i, i + 1);
+    job->kernel(*job->params, i, i + 1);
   } catch (...) {
     job->failed.store(true, std::memory_order_relaxed);
   }
 }
 
-void raise_if_failed(const Job& job) {
-  if (job.failed.load()) throw std::bad_alloc();  // MemoryError
+// `kernel` over the rows on torch's team, the GIL released; MemoryError if a row's
+// scratch could not be had.
+template <typename Params>
+void run_rows(void (*kernel)(const Params&, int64_t, int64_t), const Params& params,
+              int64_t rows, int cols, int num_threads) {
+  RowJob<Params> job{kernel, &params};
+  {
+    py::gil_scoped_release release;
+    parallel_for(rows, rows * cols < kParallelMinLogits ? 1 : num_threads, run_row<Params>, &job);
+  }
+  if (job.failed.load()) throw std::bad_alloc();
 }
 
 void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, uintptr_t keys,
                  uintptr_t out, int num_threads) {
-  if (rows < 0 || cols <= 0) throw std::invalid_argument("need rows >= 0 and cols > 0");
-  if (rows > 1 && row_stride < cols) {
-    throw std::invalid_argument("row_stride is shorter than a row");
-  }
-  SampleParams p{reinterpret_cast<const float*>(logits), row_stride, cols,
-                 reinterpret_cast<const int64_t*>(keys), reinterpret_cast<int64_t*>(out)};
-  Job job{&p};
-  {
-    py::gil_scoped_release release;
-    parallel_for(rows, rows * cols < kParallelMinLogits ? 1 : num_threads, run_row, &job);
-  }
-  raise_if_failed(job);
-}
-
-void run_top_p_row(void* ctx, int64_t i) {
-  auto* job = static_cast<Job*>(ctx);
-  try {
-    cpu_kernels().top_p(*static_cast<const TopPParams*>(job->params), i, i + 1);
-  } catch (...) {
-    job->failed.store(true, std::memory_order_relaxed);
-  }
+  check_rows(rows, cols, row_stride);
+  const SampleParams p{reinterpret_cast<const float*>(logits), row_stride, cols,
+                       reinterpret_cast<const int64_t*>(keys), reinterpret_cast<int64_t*>(out)};
+  run_rows(cpu_kernels().sample, p, rows, cols, num_threads);
 }
 
 void top_p_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, uintptr_t top_p,
                 int num_threads) {
-  if (rows < 0 || cols <= 0) throw std::invalid_argument("need rows >= 0 and cols > 0");
-  if (rows > 1 && row_stride < cols) {
-    throw std::invalid_argument("row_stride is shorter than a row");
-  }
+  check_rows(rows, cols, row_stride);
   const auto* p = reinterpret_cast<const double*>(top_p);
   for (int64_t r = 0; r < rows; ++r) {
     if (!(p[r] > 0.0 && p[r] <= 1.0)) {
       throw std::invalid_argument("top_p[" + std::to_string(r) + "] is not in (0, 1]");
     }
   }
-  TopPParams params{reinterpret_cast<float*>(logits), row_stride, cols, p};
-  Job job{&params};
-  {
-    py::gil_scoped_release release;
-    parallel_for(rows, rows * cols < kParallelMinLogits ? 1 : num_threads, run_top_p_row, &job);
-  }
-  raise_if_failed(job);
+  const TopPParams params{reinterpret_cast<float*>(logits), row_stride, cols, p};
+  run_rows(cpu_kernels().top_p, params, rows, cols, num_threads);
 }
 
 }  // namespace

@@ -162,16 +162,21 @@ def greedy_argmax_py(logits: int, row_stride: int, rows: int, cols: int, out: in
     _view(out, torch.int64, (rows,), (1,)).copy_(scores.argmax(dim=-1))
 
 
+def _no_rows(kernel: str, rows: int, cols: int, row_stride: int) -> bool:
+    """The row kernels' shape checks (ValueError, as theirs); True: nothing to do."""
+    if rows < 0 or cols <= 0:
+        raise ValueError(f"{kernel}: need rows >= 0 and cols > 0")
+    if rows > 1 and row_stride < cols:
+        raise ValueError(f"{kernel}: row_stride is shorter than a row")
+    return rows == 0
+
+
 def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, keys: int, out: int,
                    num_threads: int) -> None:
     """The twin of ``_C.sample_rows``: out[r] (int64) = the exponential race's draw from
     float32 logits row r with the Exp(1) variables of int64 keys[r]
     (``sampler.sample_rows_torch``)."""
-    if rows < 0 or cols <= 0:
-        raise ValueError("sample_rows: need rows >= 0 and cols > 0")
-    if rows > 1 and row_stride < cols:
-        raise ValueError("sample_rows: row_stride is shorter than a row")
-    if rows == 0:
+    if _no_rows("sample_rows", rows, cols, row_stride):
         return
     scores = _view(logits, torch.float32, (rows, cols), (row_stride, 1))
     row_keys = _view(keys, torch.int64, (rows,), (1,))
@@ -182,11 +187,7 @@ def top_p_rows_py(logits: int, row_stride: int, rows: int, cols: int, top_p: int
                   num_threads: int) -> None:
     """The twin of ``_C.top_p_rows``: in place, -inf for every token of float32 logits
     row r outside its top_p[r] nucleus (``sampler.top_p_rows_torch``)."""
-    if rows < 0 or cols <= 0:
-        raise ValueError("top_p_rows: need rows >= 0 and cols > 0")
-    if rows > 1 and row_stride < cols:
-        raise ValueError("top_p_rows: row_stride is shorter than a row")
-    if rows == 0:
+    if _no_rows("top_p_rows", rows, cols, row_stride):
         return
     p = _view(top_p, torch.float64, (rows,), (1,))
     if not bool(((p > 0) & (p <= 1)).all()):

@@ -133,15 +133,23 @@ def _check_per_row(logits: torch.Tensor, per_row: torch.Tensor, name: str) -> No
                          f"{list(per_row.shape)} for logits {list(logits.shape)}")
 
 
+def _native_for_rows(logits: torch.Tensor):
+    """The extension where it runs these [rows, vocab] logits (float32, CPU), else None."""
+    ext = _native.extension()
+    if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.shape[1] == 0):
+        return None
+    return ext
+
+
 def sample_rows(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``sample_rows_torch``'s draw, natively for float32 CPU rows (int64 tokens)."""
     _check_per_row(logits, keys, "keys")
-    if logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]:
-        logits = logits.contiguous()  # broadcast rows (stride 0): the kernel reads rows
-    ext = _native.extension()
-    if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
-            or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0):
+    ext = _native_for_rows(logits)
+    if ext is None:
         return sample_rows_torch(logits, keys)
+    if logits.stride(-1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
+        logits = logits.contiguous()  # strided or broadcast (stride 0) rows: it reads rows
     keys = keys.to(torch.int64).contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     ext.sample_rows(*sample_rows_args(logits, keys, out))
@@ -175,9 +183,8 @@ def top_p_rows_torch(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def top_p_rows(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``top_p_rows_torch``'s mask, natively (on a copy) for float32 CPU rows."""
     _check_per_row(logits, top_p, "top_p")
-    ext = _native.extension()
-    if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
-            or logits.dim() != 2 or logits.shape[1] == 0):
+    ext = _native_for_rows(logits)
+    if ext is None:
         return top_p_rows_torch(logits, top_p)
     out = logits.contiguous().clone()
     p = top_p.to(torch.float64).contiguous()
