@@ -26,7 +26,8 @@ from enginecore import EngineArgs, EngineCore, EngineCoreRequest, SamplingParams
 
 GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm",
             "mkldnn::_linear_pointwise", "aten::mkldnn_linear")
-NATIVE_KERNELS = ("paged_attention", "rms_norm", "rope", "silu_and_mul", "greedy_argmax")
+NATIVE_KERNELS = ("paged_attention", "rms_norm", "rope", "silu_and_mul", "greedy_argmax",
+                  "sample_rows", "top_p_rows")
 # Native GEMMs (bf16 weights on AVX2-only CPUs; the decode GEMV on AVX512_BF16) count as GEMMs.
 NATIVE_GEMMS = ("bf16_linear", "bf16_gemv")
 
@@ -61,9 +62,11 @@ def wrap_native() -> None:
     _native._ext = proxy
 
 
-def profile_batch(eng: EngineCore, batch: int, steps: int) -> dict[str, float]:
+def profile_batch(eng: EngineCore, batch: int, steps: int, temperature: float = 0.0,
+                  top_p: float = 1.0, top_ops: int = 0) -> dict[str, float]:
     rng = random.Random(batch)
-    sp = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=steps + 4, temperature=temperature, top_p=top_p,
+                        ignore_eos=True)
     for i in range(batch):
         eng.add_request(EngineCoreRequest(f"b{batch}-{i}", [rng.randrange(100, 40000)
                                                             for _ in range(64)], sp))
@@ -93,6 +96,15 @@ def profile_batch(eng: EngineCore, batch: int, steps: int) -> dict[str, float]:
         else:
             shares["other torch ops"] += us
     shares["python & rest"] = max(wall_us - sum(shares.values()), 0.0)
+    if top_ops:  # where "other torch ops" goes: its biggest top-level ops, µs a step
+        other: dict[str, float] = {}
+        for evt in prof.events():
+            if evt.cpu_parent is None and not evt.name.startswith("native::") \
+                    and evt.name not in GEMM_OPS:
+                other[evt.name] = other.get(evt.name, 0.0) + evt.cpu_time_total / steps
+        top = sorted(other.items(), key=lambda kv: -kv[1])[:top_ops]
+        print(f"# batch {batch}, other torch ops a step: "
+              + ", ".join(f"{n} {us:.0f} µs" for n, us in top))
     shares["step ms"] = wall_us / steps / 1e3
     return shares
 
@@ -102,12 +114,19 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the fast argmax path); vLLM's default SamplingParams is 1.0")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-ops", type=int, default=0,
+                    help="also print the N biggest ops inside 'other torch ops' per batch")
     args = ap.parse_args()
     wrap_native()
     eng = EngineCore(EngineArgs(dtype=args.dtype, max_model_len=512,
                                 kv_cache_memory_bytes=512 << 20).create_engine_config())
-    print(f"# {cpu_header()}; native: {_native.native_available()}; dtype {args.dtype}")
-    rows = {b: profile_batch(eng, b, args.steps) for b in map(int, args.batches.split(","))}
+    print(f"# {cpu_header()}; native: {_native.native_available()}; dtype {args.dtype}; "
+          f"temperature {args.temperature}, top_p {args.top_p}")
+    rows = {b: profile_batch(eng, b, args.steps, args.temperature, args.top_p, args.top_ops)
+            for b in map(int, args.batches.split(","))}
     cols = ["gemm", *NATIVE_KERNELS, "other torch ops", "python & rest"]
     print("| batch | step ms | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")

@@ -137,7 +137,7 @@ def test_top_k_keeps_the_values_at_least_the_kth_largest_without_a_sort():
     logits = (torch.randn(6, 50, generator=g) * 4).round() / 2  # ties
     top_k = [1, 5, 0, -1, 50, 7]
     top_p = [1.0, 1.0, 1.0, 0.5, 1.0, 1.0]
-    out = Sampler._top_k_top_p(logits, top_k, top_p)
+    out = Sampler._top_k_top_p(logits.clone(), top_k, top_p)  # masks its argument in place
     for r, k in enumerate(top_k):
         kept = ~torch.isinf(out[r])
         if r == 3:  # top-p only: the most likely kept, less likely ones dropped
@@ -149,3 +149,49 @@ def test_top_k_keeps_the_values_at_least_the_kth_largest_without_a_sort():
         kth = logits[r].sort(descending=True).values[k - 1]
         assert torch.equal(kept, logits[r] >= kth)
         assert torch.equal(out[r][kept], logits[r][kept])
+
+
+def _mixed_rows(n: int) -> list[SamplingRow]:
+    kinds = [dict(temperature=0), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=1.0, top_k=20), dict(min_p=0.05),
+             dict(temperature=1.3, top_k=40, top_p=0.8), {}]
+    return [row(SamplingParams(seed=100 + i, **kinds[i % len(kinds)]), pos=i + 3)
+            for i in range(n)]
+
+
+def test_the_sampler_reuses_its_scratch_without_touching_the_callers_logits(hot_path):
+    """The scaled logits live in memory the Sampler reuses step after step (scratch.py)
+    and top-k / top-p / min-p drop tokens there in place: the caller's logits stay as
+    they were, and a reused Sampler draws what a fresh one draws, whatever batch
+    shapes came before (a larger one, then a smaller one)."""
+    g = torch.Generator().manual_seed(11)
+    reused = Sampler(300)
+    for n in (7, 12, 3, 7):
+        logits = torch.randn(n, 300, generator=g) * 3
+        before = logits.clone()
+        rows = _mixed_rows(n)
+        first = reused(logits, rows).token_ids
+        assert torch.equal(logits, before)
+        assert first == Sampler(300)(logits, rows).token_ids
+        assert reused(logits, rows).token_ids == first  # seeded rows: the same draw again
+    # all-random rows (no greedy row: the scaled logits are the whole batch)
+    logits = torch.randn(5, 300, generator=g)
+    rows = [row(SamplingParams(temperature=0.9, top_p=0.95, seed=i)) for i in range(5)]
+    assert reused(logits, rows).token_ids == Sampler(300)(logits.clone(), rows).token_ids
+
+
+def test_scratch_tensor_reuses_its_memory_until_it_must_grow():
+    from enginecore.model.scratch import ScratchTensor
+
+    s = ScratchTensor()
+    a = s.take((4, 10), torch.float32)
+    assert a.shape == (4, 10) and a.is_contiguous()
+    b = s.take((2, 10), torch.float32)
+    assert b.data_ptr() == a.data_ptr()  # smaller: the same memory
+    c = s.take((8, 10), torch.float32)
+    assert c.shape == (8, 10)  # larger: grown
+    assert s.take((8, 10), torch.float32).data_ptr() == c.data_ptr()
+    d = s.take((8, 10), torch.bfloat16)
+    assert d.dtype == torch.bfloat16 and d.shape == (8, 10)
+    s.release()
+    assert s.take((1, 3), torch.float32).shape == (1, 3)
