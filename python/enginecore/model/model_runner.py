@@ -22,7 +22,6 @@ from enginecore.model.mm_registry import MULTIMODAL_ARCHITECTURES, is_multimodal
 from enginecore.model.mm_runner import MultiModalRunner
 from enginecore.model.multimodal_interface import supports_multimodal
 from enginecore.model.ngram_proposer import NgramProposer
-from enginecore.model.scratch import ScratchTensor
 from enginecore.model.sampler import (
     Sampler,
     SamplerOutput,
@@ -30,6 +29,7 @@ from enginecore.model.sampler import (
     greedy_argmax,
     plain_greedy_row,
 )
+from enginecore.model.scratch import ScratchTensor
 from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
 from enginecore.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
