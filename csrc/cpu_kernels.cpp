@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <algorithm>
 #include <utility>
 #include <vector>

@@ -92,12 +92,15 @@ struct ArgmaxParams {
   int64_t* out;  // [rows]
 };
 
-// Random sampling from float32 logits (temperature applied, dropped tokens -inf):
-// the exponential race with each row's Exp(1) variables hashed from its key.
+// Random sampling from logits (dropped tokens -inf; the temperature applied here or
+// before): the exponential race with each row's Exp(1) variables hashed from its key.
 struct SampleParams {
-  const float* x;  // [rows, cols]
+  DType dtype;
+  const void* x;  // [rows, cols], float32 or bf16 (dtype)
   int64_t row_stride;
   int cols;
+  // [rows] float32 or null: the row is x / temperature[r] in float32 (as torch divides)
+  const float* temperature;
   const int64_t* keys;  // [rows]
   int64_t* out;         // [rows]
 };

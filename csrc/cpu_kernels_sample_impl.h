@@ -1,4 +1,5 @@
-// Random sampling from float32 logits, one draw per row <->
+// Random sampling from float32 or bf16 logits (divided by a per-row temperature here
+// when asked), one draw per row <->
 // python/enginecore/model/sampler.py sample_rows_torch. Compiled per instruction set
 // beside cpu_kernels_impl.h (exp_f64) and cpu_kernels_argmax_impl.h (argmax_row).
 //
@@ -104,13 +105,47 @@ int64_t sample_row(const float* x, int n, uint64_t key, double* ratio) {
   return first_max(ratio, n);
 }
 
-void sample_rows(const SampleParams& p, int64_t r0, int64_t r1) {
-  // One row of ratios per thread, kept between calls (a vocabulary's worth).
+// Row r as float32 into dst: bf16 widened (exact), divided by the temperature in
+// float32 (correctly rounded, as torch's logits.float() / t): the twin's bits.
+template <typename T>
+void scale_row(const T* x, int n, const float* temperature, float* dst) {
+  if (temperature == nullptr) {
+#pragma omp simd
+    for (int j = 0; j < n; ++j) dst[j] = to_f32(x[j]);
+    return;
+  }
+  const float t = *temperature;
+#pragma omp simd
+  for (int j = 0; j < n; ++j) dst[j] = to_f32(x[j]) / t;
+}
+
+template <typename T>
+void sample_rows_t(const SampleParams& p, int64_t r0, int64_t r1) {
+  // One row of ratios (and of scaled logits) per thread, kept between calls.
   thread_local std::vector<double> ratio;
-  if (ratio.size() < static_cast<size_t>(p.cols)) ratio.resize(static_cast<size_t>(p.cols));
+  thread_local std::vector<float> scaled;
+  const size_t n = static_cast<size_t>(p.cols);
+  if (ratio.size() < n) ratio.resize(n);
+  const bool as_is = std::is_same<T, float>::value && p.temperature == nullptr;
+  if (!as_is && scaled.size() < n) scaled.resize(n);
   for (int64_t row = r0; row < r1; ++row) {
-    p.out[row] = sample_row(p.x + row * p.row_stride, p.cols,
-                            static_cast<uint64_t>(p.keys[row]), ratio.data());
+    const T* x = static_cast<const T*>(p.x) + row * p.row_stride;
+    const float* xf;
+    if (as_is) {
+      xf = reinterpret_cast<const float*>(x);
+    } else {
+      scale_row(x, p.cols, p.temperature ? p.temperature + row : nullptr, scaled.data());
+      xf = scaled.data();
+    }
+    p.out[row] = sample_row(xf, p.cols, static_cast<uint64_t>(p.keys[row]), ratio.data());
+  }
+}
+
+void sample_rows(const SampleParams& p, int64_t r0, int64_t r1) {
+  if (p.dtype == DType::kBFloat16) {
+    sample_rows_t<bf16>(p, r0, r1);
+  } else {
+    sample_rows_t<float>(p, r0, r1);
   }
 }
 

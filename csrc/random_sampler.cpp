@@ -1,4 +1,5 @@
-// Random sampling from float32 logits, one key per row <->
+// Random sampling from float32 or bf16 logits, one key (and optionally one
+// temperature) per row <->
 // python/enginecore/model/sampler.py sample_rows_torch (the kernel, the exponential
 // race on hashed Exp(1) variables: cpu_kernels_sample_impl.h), and top-p before it
 // <-> sampler.py top_p_rows_torch. Rows are spread over torch's OpenMP threads; the
@@ -61,11 +62,20 @@ void run_rows(void (*kernel)(const Params&, int64_t, int64_t), const Params& par
   if (job.failed.load()) throw std::bad_alloc();
 }
 
-void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, uintptr_t keys,
-                 uintptr_t out, int num_threads) {
+void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, int dtype,
+                 uintptr_t temperature, uintptr_t keys, uintptr_t out, int num_threads) {
   check_rows(rows, cols, row_stride);
-  const SampleParams p{reinterpret_cast<const float*>(logits), row_stride, cols,
-                       reinterpret_cast<const int64_t*>(keys), reinterpret_cast<int64_t*>(out)};
+  if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be 0 (fp32) or 1 (bf16)");
+  const auto* t = reinterpret_cast<const float*>(temperature);
+  for (int64_t r = 0; t != nullptr && r < rows; ++r) {
+    if (!(t[r] > 0.0f && t[r] < __builtin_inff())) {
+      throw std::invalid_argument("temperature[" + std::to_string(r) +
+                                  "] is not a positive finite number");
+    }
+  }
+  const SampleParams p{static_cast<DType>(dtype), reinterpret_cast<const void*>(logits),
+                       row_stride, cols, t, reinterpret_cast<const int64_t*>(keys),
+                       reinterpret_cast<int64_t*>(out)};
   run_rows(cpu_kernels().sample, p, rows, cols, num_threads);
 }
 
@@ -92,8 +102,11 @@ void bind_random_sampler(py::module_& m) {
         "of the row (weights exp(logit - max), float64); a row whose max is NaN or infinite "
         "is left alone.");
   m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("row_stride"), py::arg("rows"),
-        py::arg("cols"), py::arg("keys"), py::arg("out"), py::arg("num_threads"),
-        "out[r] (int64) = a draw from softmax(float32 logits row r; -inf never drawn): the "
+        py::arg("cols"), py::arg("dtype"), py::arg("temperature"), py::arg("keys"),
+        py::arg("out"), py::arg("num_threads"),
+        "out[r] (int64) = a draw from softmax(x_r; -inf never drawn), x_r = logits row r "
+        "(float32, or bf16 for dtype 1) in float32, divided by temperature[r] (float32; "
+        "address 0: none, each > 0 and finite): the "
         "exponential race argmax_j exp(x_j - max) / E_j, E_j = -log(u_j), u_j hashed from "
         "(keys[r], j) (sampler.race_uniforms); a row whose max is NaN or infinite gives "
         "its argmax.");

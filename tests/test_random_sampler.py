@@ -151,6 +151,53 @@ def test_kernel_and_twin_refuse_bad_input_alike(fn, bad):
         fn(*args)
 
 
+def both_scaled(logits: torch.Tensor, keys: torch.Tensor,
+                temps: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """``both`` with the kernel reading ``logits`` (float32 or bf16) and dividing by
+    ``temps`` itself."""
+    got = []
+    for fn in (C.sample_rows, kernel_twins.sample_rows_py):
+        out = torch.full((logits.shape[0],), -1, dtype=torch.int64)
+        fn(*sample_rows_args(logits, keys, out, temps))
+        got.append(out.tolist())
+    return got[0], got[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 7, 257, 49152])
+def test_bf16_logits_and_a_temperature_draw_what_the_widened_divided_rows_draw(dtype, vocab):
+    """The kernel widens bf16 (exact) and divides by each row's temperature in float32
+    as it reads: the same tokens as the float32 rows divided beforehand (torch's
+    ``logits.float() / t``), on both paths, whatever the temperature."""
+    g = torch.Generator().manual_seed(vocab + 3)
+    rows = 24
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    if vocab > 3:
+        logits[::3, ::4] = float("-inf")
+    temps = torch.tensor([0.05, 0.3, 0.7, 1.0, 1.3, 3.0] * 4, dtype=torch.float32)
+    keys = keys_for(rows, vocab)
+    divided = logits.float() / temps[:, None]
+    expect = both(divided, keys)[0]
+    assert both_scaled(logits, keys, temps) == (expect, expect)
+    assert sample_rows(logits, keys, temps).tolist() == expect
+    assert sample_rows_torch(logits, keys, temps).tolist() == expect
+    # no temperature: the widened rows as they are
+    assert both_scaled(logits, keys, None) == both(logits.float(), keys)
+
+
+@pytest.mark.parametrize("fn", [C.sample_rows if C else None, kernel_twins.sample_rows_py])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), "dtype"])
+def test_kernel_and_twin_refuse_a_bad_temperature_or_dtype_alike(fn, bad):
+    logits = torch.zeros(2, 8)
+    out = torch.empty(2, dtype=torch.int64)
+    temps = torch.tensor([1.0, 1.0 if bad == "dtype" else bad], dtype=torch.float32)
+    args = list(sample_rows_args(logits, keys_for(2, 0), out, temps))
+    if bad == "dtype":
+        args[4] = 2
+    with pytest.raises(ValueError):
+        fn(*args)
+
+
 def both_top_p(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel's logits, twin's logits) after top-p, each on its own copy."""
     got = []

@@ -195,3 +195,23 @@ def test_scratch_tensor_reuses_its_memory_until_it_must_grow():
     assert d.dtype == torch.bfloat16 and d.shape == (8, 10)
     s.release()
     assert s.take((1, 3), torch.float32).shape == (1, 3)
+
+
+def test_bf16_logits_give_the_draws_and_logprobs_of_their_float32_widening(hot_path):
+    """The runner hands the sampler the model's bf16 logits; rows that only take the
+    argmax or the temperature's race read them as they are (the kernel widens and
+    divides), the others get a float32 copy: the same tokens and logprobs as the
+    float32 logits, row for row, for every kind of row in one batch."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(9, 300, generator=g) * 3).bfloat16()
+    kinds = [dict(temperature=0), dict(temperature=0.7), dict(temperature=1.0, top_p=0.9),
+             dict(temperature=1.2, top_k=30), dict(min_p=0.1), dict(temperature=0.9, logprobs=3),
+             dict(temperature=0, logprobs=2), dict(repetition_penalty=1.3), {}]
+    for plain_only in (False, True):
+        chosen = [k for k in kinds if set(k) <= {"temperature"}] if plain_only else kinds
+        rows = [row(SamplingParams(seed=7 + i, **k), out=[3, 4], pos=20 + i)
+                for i, k in enumerate(chosen)]
+        x = logits[: len(rows)]
+        got, want = Sampler(300)(x, rows), Sampler(300)(x.float(), rows)
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == want.logprobs

@@ -217,12 +217,14 @@ def greedy_argmax(logits: int, row_stride: int, rows: int, cols: int, out: int, 
     """out[r] (int64) = the first index of the maximum of logits row r, a NaN counting as
     the maximum (twin: ``model.kernel_twins.greedy_argmax_py``, torch.argmax)."""
 
-def sample_rows(logits: int, row_stride: int, rows: int, cols: int, keys: int, out: int,
-                num_threads: int) -> None:
-    """out[r] (int64) = a draw from softmax(float32 logits row r; -inf never drawn): the
-    exponential race argmax_j exp(x_j - max) / E_j with E_j = -log(u_j), u_j hashed from
-    (keys[r], j) (``sampler.race_uniforms``); a row whose max is NaN or infinite gives
-    its argmax (twin: ``model.kernel_twins.sample_rows_py``, ``sampler.sample_rows_torch``)."""
+def sample_rows(logits: int, row_stride: int, rows: int, cols: int, dtype: int,
+                temperature: int, keys: int, out: int, num_threads: int) -> None:
+    """out[r] (int64) = a draw from softmax(x_r; -inf never drawn), x_r = logits row r
+    (float32, or bf16 for dtype 1) in float32 divided by float32 temperature[r] (address
+    0: none; each > 0 and finite): the exponential race argmax_j exp(x_j - max) / E_j
+    with E_j = -log(u_j), u_j hashed from (keys[r], j) (``sampler.race_uniforms``); a row
+    whose max is NaN or infinite gives its argmax (twin:
+    ``model.kernel_twins.sample_rows_py``, ``sampler.sample_rows_torch``)."""
 
 def top_p_rows(logits: int, row_stride: int, rows: int, cols: int, top_p: int,
                num_threads: int) -> None:

@@ -171,16 +171,22 @@ def _no_rows(kernel: str, rows: int, cols: int, row_stride: int) -> bool:
     return rows == 0
 
 
-def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, keys: int, out: int,
-                   num_threads: int) -> None:
+def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, dtype: int,
+                   temperature: int, keys: int, out: int, num_threads: int) -> None:
     """The twin of ``_C.sample_rows``: out[r] (int64) = the exponential race's draw from
-    float32 logits row r with the Exp(1) variables of int64 keys[r]
+    logits row r (float32, or bf16 for dtype 1) in float32, divided by float32
+    temperature[r] unless its address is 0, with the Exp(1) variables of int64 keys[r]
     (``sampler.sample_rows_torch``)."""
-    if _no_rows("sample_rows", rows, cols, row_stride):
+    empty = _no_rows("sample_rows", rows, cols, row_stride)
+    if dtype not in (0, 1):
+        raise ValueError("sample_rows: dtype must be 0 (fp32) or 1 (bf16)")
+    if empty:
         return
-    scores = _view(logits, torch.float32, (rows, cols), (row_stride, 1))
+    scores = _view(logits, torch.bfloat16 if dtype else torch.float32, (rows, cols),
+                   (row_stride, 1))
+    temps = _view(temperature, torch.float32, (rows,), (1,)) if temperature else None
     row_keys = _view(keys, torch.int64, (rows,), (1,))
-    _view(out, torch.int64, (rows,), (1,)).copy_(sample_rows_torch(scores, row_keys))
+    _view(out, torch.int64, (rows,), (1,)).copy_(sample_rows_torch(scores, row_keys, temps))
 
 
 def top_p_rows_py(logits: int, row_stride: int, rows: int, cols: int, top_p: int,

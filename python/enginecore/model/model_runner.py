@@ -29,7 +29,6 @@ from enginecore.model.sampler import (
     greedy_argmax,
     plain_greedy_row,
 )
-from enginecore.model.scratch import ScratchTensor
 from enginecore.protocol import LoRARequest
 from enginecore.sampling_params import SamplingParams
 from enginecore.sched.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
@@ -77,7 +76,6 @@ class ModelRunner:
         self.arch: LlamaArchConfig = load_arch_config(mc.model_path)
         self.model: LlamaForCausalLM | None = None
         self.sampler = Sampler(self.arch.vocab_size)
-        self._logits_f32 = ScratchTensor()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.scratch_slot = 0
@@ -147,8 +145,7 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
-        # Sleep gives memory back: the per-step logits scratch goes too (regrown on use).
-        self._logits_f32.release()
+        # Sleep gives memory back: the sampler's per-step scratch goes too (regrown on use).
         self.sampler.release_scratch()
 
     # -- one step --------------------------------------------------------------------------------
@@ -278,7 +275,9 @@ class ModelRunner:
                     rows.append(SamplingRow(st.params, st.token_ids[: st.num_prompt],
                                             outputs + drafts[:j], len(st.token_ids) + j,
                                             st.eos_token_id, masks.get(st.req_id)))
-            out = self.sampler(self._float_logits(hidden.index_select(0, idx)), rows)
+            # The model's dtype: the sampler widens only what needs float32.
+            logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False)
+            out = self.sampler(logits.cpu(), rows)
         sampled: list[list[int]] = [[] for _ in req_ids]
         want_lp = any(lp is not None for lp in out.logprobs)
         logprobs: list | None = [None] * len(req_ids) if want_lp else None
@@ -307,15 +306,6 @@ class ModelRunner:
                 if draft:
                     self._drafts[st.req_id] = draft
         return sampled, logprobs
-
-    def _float_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The sampler's float32 CPU logits of ``hidden``'s rows; on the CPU in memory
-        reused every step (scratch.py: a fresh 12 MB a step faulted ~10 ms of pages)."""
-        assert self.model is not None
-        logits = self.model.compute_logits(hidden, float32=False)
-        if logits.device.type != "cpu" or logits.dtype == torch.float32:
-            return logits.float().cpu()
-        return self._logits_f32.take(tuple(logits.shape), torch.float32).copy_(logits)
 
     # -- LoRA ----------------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:

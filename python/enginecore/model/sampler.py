@@ -58,12 +58,30 @@ def plain_greedy_row(p: SamplingParams, num_outputs: int, eos_token_id: int | No
                      allowed_bitmask: object | None) -> bool:
     """``plain_greedy`` for one row, from what it reads of the row (the runner asks
     before it builds the rows: they copy each request's ids)."""
-    if (not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias
+    return p.greedy and _plain_row(p, num_outputs, eos_token_id, allowed_bitmask)
+
+
+def _plain_row(p: SamplingParams, num_outputs: int, eos_token_id: int | None,
+               allowed_bitmask: object | None) -> bool:
+    """Nothing reads or changes the row's logits before its draw: no logprobs,
+    penalties, bias, allowed / bad words, grammar mask, or min_tokens still banning
+    EOS or stop tokens."""
+    if (p.logprobs is not None or p.has_penalties or p.logit_bias
             or p.allowed_token_ids is not None or p.bad_words_token_ids
             or allowed_bitmask is not None):
         return False
     return not (num_outputs < p.min_tokens and (
         p.stop_token_ids or (eos_token_id is not None and not p.ignore_eos)))
+
+
+def _draws_from_the_model_logits(r: SamplingRow, vocab: int) -> bool:
+    """The row's token comes from the model's logits as they are: their argmax, or
+    the race over them divided by the temperature (no top-k, top-p or min-p). Such
+    rows need no float32 copy of bf16 logits (the kernel widens and divides)."""
+    p = r.params
+    if not _plain_row(p, len(r.output_ids), r.eos_token_id, r.allowed_bitmask):
+        return False
+    return p.greedy or not (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
 
 
 def greedy_argmax_torch(logits: torch.Tensor) -> list[int]:
@@ -115,17 +133,30 @@ def race_uniforms(keys: torch.Tensor, cols: int) -> torch.Tensor:
     return (_shr(z, 12).to(torch.float64) + 0.5) * 2.0**-52
 
 
-def sample_rows_torch(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The draw of ``_C.sample_rows`` in torch: per row of float32 ``logits`` (-inf:
-    dropped), the exponential race argmax_j exp(x_j - max) / E_j in float64 with
-    E_j = -log(u_j), u_j = ``race_uniforms(keys)`` (the kernel's bits); a row whose
+def sample_rows_torch(logits: torch.Tensor, keys: torch.Tensor,
+                      temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """The draw of ``_C.sample_rows`` in torch: per row x of ``logits`` in float32
+    (bf16 widened exactly), divided by ``temperature`` (float32, one per row) when
+    given, -inf dropped: the exponential race argmax_j exp(x_j - max) / E_j in float64
+    with E_j = -log(u_j), u_j = ``race_uniforms(keys)`` (the kernel's bits); a row whose
     max is NaN or infinite gives its argmax. torch's exp / log against the kernel's:
     a few double ulp apart, so the two differ only where two ratios tie that closely."""
+    logits = logits.float()
+    if temperature is not None:
+        _check_temperature(logits, temperature)
+        logits = logits / temperature.to(device=logits.device, dtype=torch.float32)[:, None]
     top = logits.argmax(dim=-1)
     m = logits.gather(1, top[:, None]).double()
     w = torch.exp(logits.double() - m)
     ratio = w / -torch.log(race_uniforms(keys.to(logits.device), logits.shape[1]))
     return torch.where(torch.isfinite(m[:, 0]), ratio.argmax(dim=-1), top)
+
+
+def _check_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> None:
+    _check_per_row(logits, temperature, "temperature")
+    t = temperature.to(torch.float32)
+    if not bool(((t > 0) & (t < float("inf"))).all()):
+        raise ValueError("every temperature must be a positive finite number")
 
 
 def _check_per_row(logits: torch.Tensor, per_row: torch.Tensor, name: str) -> None:
@@ -134,32 +165,43 @@ def _check_per_row(logits: torch.Tensor, per_row: torch.Tensor, name: str) -> No
                          f"{list(per_row.shape)} for logits {list(logits.shape)}")
 
 
-def _native_for_rows(logits: torch.Tensor):
-    """The extension where it runs these [rows, vocab] logits (float32, CPU), else None."""
+def _native_for_rows(logits: torch.Tensor, bf16: bool = False):
+    """The extension where it runs these [rows, vocab] logits (float32, or bf16 where
+    the kernel reads it; CPU), else None."""
     ext = _native.extension()
-    if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    if (ext is None or logits.device.type != "cpu" or logits.dtype not in dtypes
             or logits.shape[1] == 0):
         return None
     return ext
 
 
-def sample_rows(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``sample_rows_torch``'s draw, natively for float32 CPU rows (int64 tokens)."""
+def sample_rows(logits: torch.Tensor, keys: torch.Tensor,
+                temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """``sample_rows_torch``'s draw, natively for float32 or bf16 CPU rows (int64
+    tokens): with ``temperature`` the kernel divides as it reads, so the model's bf16
+    logits need no float32 copy and no scaled one."""
     _check_per_row(logits, keys, "keys")
-    ext = _native_for_rows(logits)
+    ext = _native_for_rows(logits, bf16=True)
     if ext is None:
-        return sample_rows_torch(logits, keys)
+        return sample_rows_torch(logits, keys, temperature)
     if logits.stride(-1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
         logits = logits.contiguous()  # strided or broadcast (stride 0) rows: it reads rows
     keys = keys.to(torch.int64).contiguous()
+    if temperature is not None:
+        _check_per_row(logits, temperature, "temperature")
+        temperature = temperature.to(torch.float32).contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    ext.sample_rows(*sample_rows_args(logits, keys, out))
+    ext.sample_rows(*sample_rows_args(logits, keys, out, temperature))
     return out
 
 
-def sample_rows_args(logits: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> tuple:
+def sample_rows_args(logits: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
+                     temperature: torch.Tensor | None = None) -> tuple:
     """What ``_C.sample_rows`` (and ``kernel_twins.sample_rows_py``) take."""
     return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+            1 if logits.dtype == torch.bfloat16 else 0,
+            0 if temperature is None else temperature.data_ptr(),
             keys.data_ptr(), out.data_ptr(), torch.get_num_threads())
 
 
@@ -221,15 +263,28 @@ def _position_seed(seed: int, position: int) -> int:
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        # The temperature-scaled logits of a step, kept mapped (scratch.py); top-k,
-        # top-p and min-p then drop tokens in place.
+        # The float32 logits of a step (from bf16) and their temperature-scaled copy,
+        # kept mapped (scratch.py); top-k, top-p and min-p drop tokens in place there.
+        self._float32 = ScratchTensor()
         self._scaled = ScratchTensor()
 
     def release_scratch(self) -> None:
         self._scaled.release()
+        self._float32.release()
+
+    def _widened(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.device.type != "cpu":
+            return logits.float()
+        return self._float32.take(tuple(logits.shape), torch.float32).copy_(logits)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [N, V] float32, one row per request that samples this step."""
+        """logits [N, V], one row per request that samples this step: float32, or the
+        model's dtype (bf16), widened to float32 here only where a row needs more
+        than the argmax or the temperature's race (widening is exact: the same draws)."""
+        V = logits.shape[1]
+        if logits.dtype != torch.float32 and not all(
+                _draws_from_the_model_logits(r, V) for r in rows):
+            logits = self._widened(logits)
         raw = logits
         logits = self._apply_bitmasks(logits, rows)
         logits = self._apply_token_controls(logits, rows)
@@ -342,16 +397,27 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        # The race's key per row: (seed, position) for a seeded row (the same draw
+        # whatever the batch, and after a preemption), the default generator's otherwise.
+        keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                keys[i] = _position_seed(r.params.seed, r.position)
+        V = logits.shape[1]
+        truncated = (any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p)
+                     or any(m > 0 for m in min_p))
+        if not truncated:  # the kernel divides by the temperature as it reads the row
+            return sample_rows(logits, keys, temps)
+        temps = temps.to(logits.dtype)
         if logits.device.type == "cpu":
             scaled = self._scaled.take(tuple(logits.shape), logits.dtype)
             logits = torch.div(logits, temps[:, None], out=scaled)
         else:
             logits = logits / temps[:, None]
-        top_k = [r.params.top_k for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        min_p = [r.params.min_p for r in rows]
-        V = logits.shape[1]
         if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
             logits = self._top_k_top_p(logits, top_k, top_p)
         if any(m > 0 for m in min_p):
@@ -359,12 +425,6 @@ class Sampler:
             mp = torch.tensor(min_p, dtype=probs.dtype)
             keep = probs >= probs.max(dim=-1, keepdim=True).values * mp[:, None]
             logits.masked_fill_(~keep, float("-inf"))
-        # The race's key per row: (seed, position) for a seeded row (the same draw
-        # whatever the batch, and after a preemption), the default generator's otherwise.
-        keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(rows),), dtype=torch.int64)
-        for i, r in enumerate(rows):
-            if r.params.seed is not None:
-                keys[i] = _position_seed(r.params.seed, r.position)
         return sample_rows(logits, keys)
 
     @staticmethod
