@@ -15,6 +15,7 @@ void bind_greedy_sampler(py::module_& m);
 void bind_output_encoder(py::module_& m);
 void bind_paged_attention(py::module_& m);
 void bind_random_sampler(py::module_& m);
+void bind_logprobs(py::module_& m);
 void bind_block_pool(py::module_& m);
 void bind_request_table(py::module_& m);
 void bind_scheduler_loops(py::module_& m);
@@ -40,6 +41,7 @@ PYBIND11_MODULE(_C, m) {
   enginecore::bind_output_encoder(m);
   enginecore::bind_paged_attention(m);
   enginecore::bind_random_sampler(m);
+  enginecore::bind_logprobs(m);
   enginecore::bind_block_pool(m);
   enginecore::bind_request_table(m);
   enginecore::bind_scheduler_loops(m);

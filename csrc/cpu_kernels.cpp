@@ -26,6 +26,7 @@ namespace isa_avx512 {
 #include "cpu_kernels_impl.h"
 #include "cpu_kernels_argmax_impl.h"
 #include "cpu_kernels_sample_impl.h"
+#include "cpu_kernels_logprobs_impl.h"
 }  // namespace isa_avx512
 #undef ECK_AVX512_DECODE
 #pragma GCC pop_options
@@ -36,6 +37,7 @@ namespace isa_avx2 {
 #include "cpu_kernels_impl.h"
 #include "cpu_kernels_argmax_impl.h"
 #include "cpu_kernels_sample_impl.h"
+#include "cpu_kernels_logprobs_impl.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
 #endif
@@ -44,6 +46,7 @@ namespace isa_baseline {
 #include "cpu_kernels_impl.h"
 #include "cpu_kernels_argmax_impl.h"
 #include "cpu_kernels_sample_impl.h"
+#include "cpu_kernels_logprobs_impl.h"
 }  // namespace isa_baseline
 
 namespace {
@@ -51,7 +54,7 @@ namespace {
 #define ECK_TABLE(name, ns) \
   CpuKernels {                                                                         \
     name, ns::attend_items, ns::rms_norm, ns::rope, ns::silu_and_mul, ns::argmax_rows, \
-        ns::sample_rows, ns::top_p_rows                                                 \
+        ns::sample_rows, ns::top_p_rows, ns::logprob_rows                               \
   }
 
 CpuKernels choose() {

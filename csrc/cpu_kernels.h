@@ -113,6 +113,21 @@ struct TopPParams {
   const double* top_p;  // [rows], each in (0, 1]
 };
 
+// Logprobs of the raw logits, one sampled (or target) token and the top n per row,
+// without a [rows, vocab] tensor of logprobs (cpu_kernels_logprobs_impl.h).
+struct LogprobParams {
+  DType dtype;
+  const void* x;  // [rows, cols], float32 or bf16
+  int64_t row_stride;
+  int cols;
+  const int64_t* tokens;  // [rows], each in [0, cols)
+  int n;                  // top logprobs a row, in [0, cols]
+  float* token_lp;        // [rows]
+  int64_t* rank;          // [rows]
+  int64_t* top_ids;       // [rows, n]
+  float* top_lp;          // [rows, n]
+};
+
 struct CpuKernels {
   const char* isa;
   void (*attend)(const AttnParams&, const AttnItem&, double* scratch);
@@ -122,6 +137,7 @@ struct CpuKernels {
   void (*argmax)(const ArgmaxParams&, int64_t row_begin, int64_t row_end);
   void (*sample)(const SampleParams&, int64_t row_begin, int64_t row_end);
   void (*top_p)(const TopPParams&, int64_t row_begin, int64_t row_end);
+  void (*logprobs)(const LogprobParams&, int64_t row_begin, int64_t row_end);
 };
 
 // The best variant this CPU runs (AVX-512, AVX2 or baseline), chosen once.

@@ -6,61 +6,17 @@
 // GIL is released.
 #include <pybind11/pybind11.h>
 
-#include <atomic>
 #include <cstdint>
-#include <new>
 #include <stdexcept>
 #include <string>
 
 #include "cpu_kernels.h"
-#include "cpu_threads.h"
+#include "row_jobs.h"
 
 namespace py = pybind11;
 
 namespace enginecore {
 namespace {
-
-// Below this many logits in all, one thread: waking the team costs more.
-constexpr int64_t kParallelMinLogits = 1 << 15;
-
-void check_rows(int64_t rows, int cols, int64_t row_stride) {
-  if (rows < 0 || cols <= 0) throw std::invalid_argument("need rows >= 0 and cols > 0");
-  if (rows > 1 && row_stride < cols) {
-    throw std::invalid_argument("row_stride is shorter than a row");
-  }
-}
-
-// A row's scratch (a vocabulary's worth per thread) may fail to allocate inside the
-// team, where nothing may throw: the failure is noted and raised after the team joins.
-template <typename Params>
-struct RowJob {
-  void (*kernel)(const Params&, int64_t, int64_t);
-  const Params* params;
-  std::atomic<bool> failed{false};
-};
-
-template <typename Params>
-void run_row(void* ctx, int64_t i) {
-  auto* job = static_cast<RowJob<Params>*>(ctx);
-  try {
-    job->kernel(*job->params, i, i + 1);
-  } catch (...) {
-    job->failed.store(true, std::memory_order_relaxed);
-  }
-}
-
-// `kernel` over the rows on torch's team, the GIL released; MemoryError if a row's
-// scratch could not be had.
-template <typename Params>
-void run_rows(void (*kernel)(const Params&, int64_t, int64_t), const Params& params,
-              int64_t rows, int cols, int num_threads) {
-  RowJob<Params> job{kernel, &params};
-  {
-    py::gil_scoped_release release;
-    parallel_for(rows, rows * cols < kParallelMinLogits ? 1 : num_threads, run_row<Params>, &job);
-  }
-  if (job.failed.load()) throw std::bad_alloc();
-}
 
 void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, int dtype,
                  uintptr_t temperature, uintptr_t keys, uintptr_t out, int num_threads) {

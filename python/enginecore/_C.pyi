@@ -226,6 +226,16 @@ def sample_rows(logits: int, row_stride: int, rows: int, cols: int, dtype: int,
     whose max is NaN or infinite gives its argmax (twin:
     ``model.kernel_twins.sample_rows_py``, ``sampler.sample_rows_torch``)."""
 
+def logprob_rows(logits: int, row_stride: int, rows: int, cols: int, dtype: int, tokens: int,
+                 n: int, token_lp: int, rank: int, top_ids: int, top_lp: int,
+                 num_threads: int) -> None:
+    """Per row r of logits (float32, or bf16 for dtype 1), lp_j = (x_j - max) -
+    log(sum exp(x - max)) in float64 rounded to float32 (NaN where the max is not
+    finite): token_lp[r] = lp of tokens[r] (int64, in [0, cols)), rank[r] = 1 + the
+    count of x_j > x_tokens[r], top_ids[r, :n] / top_lp[r, :n] the n first in (x desc,
+    index asc) order, NaN above +inf, -0 below +0 (twin:
+    ``model.kernel_twins.logprob_rows_py``, ``sampler.logprob_rows_torch``)."""
+
 def top_p_rows(logits: int, row_stride: int, rows: int, cols: int, top_p: int,
                num_threads: int) -> None:
     """In place on float32 logits: rank row r by (logit desc, index asc) and set to -inf

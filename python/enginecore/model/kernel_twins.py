@@ -31,7 +31,7 @@ from enginecore.model.linear import (
     unpack_panels,
 )
 from enginecore.model.rope import apply_rope
-from enginecore.model.sampler import sample_rows_torch, top_p_rows_torch
+from enginecore.model.sampler import logprob_rows_torch, sample_rows_torch, top_p_rows_torch
 
 # The kernels' dtype codes (csrc/cpu_kernels.h DType).
 _DTYPES = {0: torch.float32, 1: torch.bfloat16}
@@ -187,6 +187,30 @@ def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, dtype: in
     temps = _view(temperature, torch.float32, (rows,), (1,)) if temperature else None
     row_keys = _view(keys, torch.int64, (rows,), (1,))
     _view(out, torch.int64, (rows,), (1,)).copy_(sample_rows_torch(scores, row_keys, temps))
+
+
+def logprob_rows_py(logits: int, row_stride: int, rows: int, cols: int, dtype: int,
+                    tokens: int, n: int, token_lp: int, rank: int, top_ids: int, top_lp: int,
+                    num_threads: int) -> None:
+    """The twin of ``_C.logprob_rows``: per row of logits (float32, or bf16 for dtype 1)
+    the logprob (float32) and rank (int64) of int64 tokens[r], and the top n ids
+    (int64) and logprobs (float32) (``sampler.logprob_rows_torch``)."""
+    empty = _no_rows("logprob_rows", rows, cols, row_stride)
+    if dtype not in (0, 1):
+        raise ValueError("logprob_rows: dtype must be 0 (fp32) or 1 (bf16)")
+    if not 0 <= n <= cols:
+        raise ValueError("logprob_rows: n must be in [0, cols]")
+    if empty:
+        return
+    scores = _view(logits, torch.bfloat16 if dtype else torch.float32, (rows, cols),
+                   (row_stride, 1))
+    toks = _view(tokens, torch.int64, (rows,), (1,))
+    got = logprob_rows_torch(scores, toks, n)
+    _view(token_lp, torch.float32, (rows,), (1,)).copy_(got[0])
+    _view(rank, torch.int64, (rows,), (1,)).copy_(got[1])
+    if n:
+        _view(top_ids, torch.int64, (rows, n), (n, 1)).copy_(got[2])
+        _view(top_lp, torch.float32, (rows, n), (n, 1)).copy_(got[3])
 
 
 def top_p_rows_py(logits: int, row_stride: int, rows: int, cols: int, top_p: int,

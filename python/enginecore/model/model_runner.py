@@ -236,8 +236,9 @@ class ModelRunner:
             for s in range(0, len(targets), PROMPT_LOGPROBS_CHUNK):
                 tgt = targets[s:s + PROMPT_LOGPROBS_CHUNK]
                 idx = torch.arange(first + s, first + s + len(tgt), device=self.device)
-                logits = self.model.compute_logits(hidden.index_select(0, idx)).float().cpu()
-                ids, vals, ranks = self.sampler.prompt_logprobs(logits, tgt, n)
+                # The model's dtype: the logprob kernel widens bf16 as it reads.
+                logits = self.model.compute_logits(hidden.index_select(0, idx), float32=False)
+                ids, vals, ranks = self.sampler.prompt_logprobs(logits.cpu(), tgt, n)
                 acc[0].extend(ids), acc[1].extend(vals), acc[2].extend(ranks)
 
     @staticmethod

@@ -62,11 +62,11 @@ def plain_greedy_row(p: SamplingParams, num_outputs: int, eos_token_id: int | No
 
 
 def _plain_row(p: SamplingParams, num_outputs: int, eos_token_id: int | None,
-               allowed_bitmask: object | None) -> bool:
-    """Nothing reads or changes the row's logits before its draw: no logprobs,
-    penalties, bias, allowed / bad words, grammar mask, or min_tokens still banning
-    EOS or stop tokens."""
-    if (p.logprobs is not None or p.has_penalties or p.logit_bias
+               allowed_bitmask: object | None, logprobs_ok: bool = False) -> bool:
+    """Nothing reads or changes the row's logits before its draw: no logprobs (unless
+    ``logprobs_ok``), penalties, bias, allowed / bad words, grammar mask, or min_tokens
+    still banning EOS or stop tokens."""
+    if ((p.logprobs is not None and not logprobs_ok) or p.has_penalties or p.logit_bias
             or p.allowed_token_ids is not None or p.bad_words_token_ids
             or allowed_bitmask is not None):
         return False
@@ -76,10 +76,12 @@ def _plain_row(p: SamplingParams, num_outputs: int, eos_token_id: int | None,
 
 def _draws_from_the_model_logits(r: SamplingRow, vocab: int) -> bool:
     """The row's token comes from the model's logits as they are: their argmax, or
-    the race over them divided by the temperature (no top-k, top-p or min-p). Such
-    rows need no float32 copy of bf16 logits (the kernel widens and divides)."""
+    the race over them divided by the temperature (no top-k, top-p or min-p); its
+    logprobs are of those logits too. Such rows need no float32 copy of bf16 logits
+    (the kernels widen, and divide by the temperature, as they read)."""
     p = r.params
-    if not _plain_row(p, len(r.output_ids), r.eos_token_id, r.allowed_bitmask):
+    if not _plain_row(p, len(r.output_ids), r.eos_token_id, r.allowed_bitmask,
+                      logprobs_ok=True):
         return False
     return p.greedy or not (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
 
@@ -252,6 +254,86 @@ def top_p_rows_args(logits: torch.Tensor, top_p: torch.Tensor) -> tuple:
     """What ``_C.top_p_rows`` (and ``kernel_twins.top_p_rows_py``) take."""
     return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
             top_p.data_ptr(), torch.get_num_threads())
+
+
+def _order_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 keys of float32 values ``x`` at column ``index``, unique in a row, whose
+    descending order is (x desc, index asc) with NaN above +inf and -0 below +0: the
+    kernel's ``order_key`` (the float's bits made monotone) over 32 bits, 2^32 - 1 -
+    index under them."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >= 0x80000000, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
+    key = torch.where(torch.isnan(x), torch.full_like(key, 0xFFC00000), key)
+    return ((key - (1 << 31)) << 32) | (0xFFFFFFFF - index)
+
+
+def _top_n_ids(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` column ids of each row of ``x`` in (x desc, index asc) order
+    (``_order_keys``). Only the values >= each row's n-th largest are keyed and sorted
+    (ties at the boundary are common in widened bf16); a NaN anywhere keys the rows."""
+    cols = torch.arange(x.shape[1], device=x.device, dtype=torch.int64).expand_as(x)
+    if n == 0 or bool(torch.isnan(x).any()):
+        return _order_keys(x, cols).topk(n, dim=-1).indices
+    nth = x.topk(n, dim=-1).values[:, -1:]
+    k = int((x >= nth).sum(dim=-1).max())  # the n-th value's ties included
+    vals, ids = x.topk(k, dim=-1)
+    order = _order_keys(vals, ids).topk(n, dim=-1).indices
+    return ids.gather(1, order)
+
+
+def logprob_rows_torch(logits: torch.Tensor, tokens: torch.Tensor, n: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token logprobs [R] float32, ranks [R] int64, top ids [R, n] int64, top logprobs
+    [R, n] float32) of each row x of ``logits`` (float32; bf16 widened), as
+    ``_C.logprob_rows`` computes them: lp = (x - max) - log(sum exp(x - max)) in float64
+    rounded once (NaN where the max is NaN or infinite), the rank of token t 1 + the
+    count of x_j > x_t, the top n in (x desc, index asc) order (NaN first). Sums in
+    another order than the kernel's: ~1e-16 apart before the rounding."""
+    x = logits.float()
+    if not 0 <= n <= x.shape[1]:
+        raise ValueError(f"n must be in [0, {x.shape[1]}], got {n}")
+    t = tokens.to(device=x.device, dtype=torch.int64)[:, None]
+    if t.numel() and not bool(((t >= 0) & (t < x.shape[1])).all()):
+        raise ValueError("every token must be in [0, vocab)")
+    m = x.gather(1, x.argmax(dim=-1, keepdim=True)).double()
+    log_sum = torch.log(torch.exp(x.double() - m).sum(dim=-1, keepdim=True))
+
+    def lp(ids: torch.Tensor) -> torch.Tensor:
+        v = ((x.gather(1, ids).double() - m) - log_sum).float()
+        return torch.where(torch.isfinite(m), v, torch.full_like(v, float("nan")))
+
+    xt = x.gather(1, t)
+    rank = (x > xt).sum(dim=-1) + 1
+    top_ids = _top_n_ids(x, n)
+    return lp(t)[:, 0], rank, top_ids, lp(top_ids)
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logprob_rows_torch``'s four tensors, natively for float32 or bf16 CPU rows
+    (three read-only passes a row; no [rows, vocab] tensor of logprobs)."""
+    _check_per_row(logits, tokens, "tokens")
+    ext = _native_for_rows(logits, bf16=True)
+    if ext is None:
+        return logprob_rows_torch(logits, tokens, n)
+    if logits.stride(-1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
+        logits = logits.contiguous()
+    tokens = tokens.to(torch.int64).contiguous()
+    rows = logits.shape[0]
+    out = (torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int64),
+           torch.empty(rows, max(n, 0), dtype=torch.int64),
+           torch.empty(rows, max(n, 0), dtype=torch.float32))
+    ext.logprob_rows(*logprob_rows_args(logits, tokens, n, *out))
+    return out
+
+
+def logprob_rows_args(logits: torch.Tensor, tokens: torch.Tensor, n: int, token_lp: torch.Tensor,
+                      rank: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor) -> tuple:
+    """What ``_C.logprob_rows`` (and ``kernel_twins.logprob_rows_py``) take."""
+    return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+            1 if logits.dtype == torch.bfloat16 else 0, tokens.data_ptr(), n,
+            token_lp.data_ptr(), rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr(),
+            torch.get_num_threads())
 
 
 def _position_seed(seed: int, position: int) -> int:
@@ -456,27 +538,21 @@ class Sampler:
                         ) -> tuple[list[list[int]], list[list[float]], list[int]]:
         """Logprobs of ``targets`` (the next prompt token of each row of ``logits``)
         and the top-``n`` of each row: (token id rows, logprob rows, ranks)."""
-        lp = torch.log_softmax(logits, dim=-1)
         tgt = torch.tensor(targets, dtype=torch.long)
-        tgt_lp = lp.gather(1, tgt[:, None])[:, 0]
-        ranks = ((lp > tgt_lp[:, None]).sum(dim=-1) + 1).tolist()
-        top_lp, top_ids = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+        tgt_lp, ranks, top_ids, top_lp = logprob_rows(logits, tgt, max(n, 0))
         ids = [[t, *row] for t, row in zip(targets, top_ids.tolist())]
         vals = [[v, *row] for v, row in zip(tgt_lp.tolist(), top_lp.tolist())]
-        return ids, vals, ranks
+        return ids, vals, ranks.tolist()
 
     @staticmethod
     def _logprobs(raw, tokens, rows, want, out) -> None:
         idx = torch.tensor(want, dtype=torch.long)
-        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
         sampled = tokens.index_select(0, idx)
-        sampled_lp = lp.gather(1, sampled[:, None])[:, 0]
-        ranks = (lp > sampled_lp[:, None]).sum(dim=-1) + 1
+        picked = raw if len(want) == raw.shape[0] else raw.index_select(0, idx)
         max_n = max(rows[i].params.logprobs for i in want)
-        top_lp, top_ids = (lp.topk(max_n, dim=-1) if max_n > 0 else
-                           (lp[:, :0], torch.empty(len(want), 0, dtype=torch.long)))
+        sampled_lp, ranks, top_ids, top_lp = logprob_rows(picked, sampled, max(max_n, 0))
+        sampled_l, lp_l, rank_l = sampled.tolist(), sampled_lp.tolist(), ranks.tolist()
+        ids_l, vals_l = top_ids.tolist(), top_lp.tolist()
         for j, i in enumerate(want):
             n = rows[i].params.logprobs
-            ids = [int(sampled[j])] + top_ids[j, :n].tolist()
-            vals = [float(sampled_lp[j])] + top_lp[j, :n].tolist()
-            out[i] = (ids, vals, int(ranks[j]))
+            out[i] = ([sampled_l[j]] + ids_l[j][:n], [lp_l[j]] + vals_l[j][:n], rank_l[j])
