@@ -162,3 +162,23 @@ def test_the_engines_logprobs_are_the_same_on_both_paths(tiny, dtype):
     native, python = run(True), run(False)
     assert native == python
     assert any(step[1] for step in native["r0"]) and any(step[2] for step in native["r0"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 3])
+def test_no_rows_give_empty_tensors_on_both_paths(hot_path, dtype, n):
+    """No rows (a prompt chunk with no position to score): four empty tensors, on the
+    native path and the twin alike (the twin's top-n looked for a maximum of nothing)."""
+    x = torch.zeros(0, 10, dtype=dtype)
+    for fn in (logprob_rows, logprob_rows_torch):
+        lp, rank, ids, top = fn(x, torch.zeros(0, dtype=torch.int64), n)
+        assert lp.shape == (0,) and rank.shape == (0,)
+        assert ids.shape == (0, n) and top.shape == (0, n)
+
+
+@pytest.mark.parametrize("n", [11, 2**31, 10**12])
+def test_a_too_large_n_is_refused_before_anything_is_allocated(hot_path, n):
+    """n past the vocabulary: ValueError on both paths (natively the [rows, n] outputs
+    were allocated first: MemoryError or a RuntimeError of the allocator)."""
+    with pytest.raises(ValueError, match="n must be in"):
+        logprob_rows(torch.zeros(2, 10), torch.tensor([0, 1]), n)

@@ -215,3 +215,21 @@ def test_bf16_logits_give_the_draws_and_logprobs_of_their_float32_widening(hot_p
         got, want = Sampler(300)(x, rows), Sampler(300)(x.float(), rows)
         assert got.token_ids == want.token_ids
         assert got.logprobs == want.logprobs
+
+
+@pytest.mark.parametrize("kind", [dict(), dict(top_p=0.99), dict(top_k=3)])
+def test_a_temperature_past_float32s_range_draws_not_raises(hot_path, kind):
+    """SamplingParams takes any finite temperature; one past float32's largest (1e39)
+    must not become inf (the race refused it: the request ended in an error; x / inf
+    turned the dropped tokens' -inf into NaN). It draws near-uniformly from the tokens
+    not dropped, beside a row of an ordinary temperature."""
+    logits = torch.tensor([[8.0, 0.0, 0.0, 0.0], [8.0, 0.0, 0.0, 0.0]]).bfloat16()
+    seen = set()
+    for seed in range(40):
+        rows = [row(SamplingParams(temperature=1e39, seed=seed, min_tokens=1,
+                                   stop_token_ids=[3], **kind)),
+                row(SamplingParams(temperature=0.5, seed=seed))]
+        out = Sampler(4)(logits, rows).token_ids
+        seen.add(out[0])
+        assert out[1] == 0
+    assert seen == {0, 1, 2}  # 3 is banned (min_tokens)

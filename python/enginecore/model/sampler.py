@@ -22,6 +22,7 @@ from enginecore.model.scratch import ScratchTensor
 from enginecore.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -272,7 +273,7 @@ def _top_n_ids(x: torch.Tensor, n: int) -> torch.Tensor:
     (``_order_keys``). Only the values >= each row's n-th largest are keyed and sorted
     (ties at the boundary are common in widened bf16); a NaN anywhere keys the rows."""
     cols = torch.arange(x.shape[1], device=x.device, dtype=torch.int64).expand_as(x)
-    if n == 0 or bool(torch.isnan(x).any()):
+    if n == 0 or x.shape[0] == 0 or bool(torch.isnan(x).any()):
         return _order_keys(x, cols).topk(n, dim=-1).indices
     nth = x.topk(n, dim=-1).values[:, -1:]
     k = int((x >= nth).sum(dim=-1).max())  # the n-th value's ties included
@@ -290,8 +291,7 @@ def logprob_rows_torch(logits: torch.Tensor, tokens: torch.Tensor, n: int
     count of x_j > x_t, the top n in (x desc, index asc) order (NaN first). Sums in
     another order than the kernel's: ~1e-16 apart before the rounding."""
     x = logits.float()
-    if not 0 <= n <= x.shape[1]:
-        raise ValueError(f"n must be in [0, {x.shape[1]}], got {n}")
+    _check_top_n(x, n)
     t = tokens.to(device=x.device, dtype=torch.int64)[:, None]
     if t.numel() and not bool(((t >= 0) & (t < x.shape[1])).all()):
         raise ValueError("every token must be in [0, vocab)")
@@ -308,11 +308,17 @@ def logprob_rows_torch(logits: torch.Tensor, tokens: torch.Tensor, n: int
     return lp(t)[:, 0], rank, top_ids, lp(top_ids)
 
 
+def _check_top_n(logits: torch.Tensor, n: int) -> None:
+    if not 0 <= n <= logits.shape[1]:
+        raise ValueError(f"n must be in [0, {logits.shape[1]}], got {n}")
+
+
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, n: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logprob_rows_torch``'s four tensors, natively for float32 or bf16 CPU rows
     (three read-only passes a row; no [rows, vocab] tensor of logprobs)."""
     _check_per_row(logits, tokens, "tokens")
+    _check_top_n(logits, n)  # before the [rows, n] outputs are allocated
     ext = _native_for_rows(logits, bf16=True)
     if ext is None:
         return logprob_rows_torch(logits, tokens, n)
@@ -321,8 +327,7 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, n: int
     tokens = tokens.to(torch.int64).contiguous()
     rows = logits.shape[0]
     out = (torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int64),
-           torch.empty(rows, max(n, 0), dtype=torch.int64),
-           torch.empty(rows, max(n, 0), dtype=torch.float32))
+           torch.empty(rows, n, dtype=torch.int64), torch.empty(rows, n, dtype=torch.float32))
     ext.logprob_rows(*logprob_rows_args(logits, tokens, n, *out))
     return out
 
@@ -479,7 +484,11 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+        # SamplingParams takes any finite temperature: one past float32's range would be
+        # inf here (refused by the race; x / inf: a dropped token's -inf turns NaN). At
+        # float32's largest the row is as flat as at a larger one.
+        temps = torch.tensor([min(r.params.temperature, _FLOAT32_MAX) for r in rows],
+                             dtype=torch.float32)
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         min_p = [r.params.min_p for r in rows]
