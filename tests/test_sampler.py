@@ -233,3 +233,50 @@ def test_a_temperature_past_float32s_range_draws_not_raises(hot_path, kind):
         seen.add(out[0])
         assert out[1] == 0
     assert seen == {0, 1, 2}  # 3 is banned (min_tokens)
+
+
+def _penalties_one_row_at_a_time(logits, rows):
+    """The penalties row by row, as the sampler applied them before they were batched."""
+    logits = logits.clone()
+    V = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.has_penalties:
+            continue
+        out_ids = torch.tensor(r.output_ids, dtype=torch.long)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool)
+            seen[torch.tensor(r.prompt_ids, dtype=torch.long)] = True
+            if out_ids.numel():
+                seen[out_ids] = True
+            row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
+                                                row * p.repetition_penalty), row)
+        if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(out_ids, minlength=V)[:V].to(row.dtype)
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        logits[i] = row
+    return logits
+
+
+def test_batched_penalties_equal_them_one_row_at_a_time():
+    g = torch.Generator().manual_seed(8)
+    V = 500
+    logits = torch.randn(8, V, generator=g) * 3
+    logits[2, ::7] = float("-inf")
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), {},
+             dict(presence_penalty=-0.4, frequency_penalty=0.2, repetition_penalty=0.8),
+             dict(presence_penalty=1.5), dict(repetition_penalty=2.0), {},
+             dict(frequency_penalty=-1.1, repetition_penalty=1.05)]
+    rows = []
+    for i, k in enumerate(kinds):
+        out = torch.randint(0, V, (i * 5,), generator=g).tolist() + [3, 3, 3][: i % 4]
+        rows.append(row(SamplingParams(**k), out=out,
+                        prompt=torch.randint(0, V, (20,), generator=g).tolist()))
+    before = logits.clone()
+    got = Sampler(V)._apply_penalties(logits, rows)
+    assert torch.equal(logits, before)
+    assert torch.equal(got, _penalties_one_row_at_a_time(logits, rows))
+    every = [row(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.1), out=[1, 1, 4])] * 3
+    assert torch.equal(Sampler(V)._apply_penalties(logits[:3], every),
+                       _penalties_one_row_at_a_time(logits[:3], every))

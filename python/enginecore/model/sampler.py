@@ -350,14 +350,17 @@ def _position_seed(seed: int, position: int) -> int:
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        # The float32 logits of a step (from bf16) and their temperature-scaled copy,
-        # kept mapped (scratch.py); top-k, top-p and min-p drop tokens in place there.
+        # The float32 logits of a step (from bf16), their penalized copy and their
+        # temperature-scaled copy, kept mapped (scratch.py); top-k, top-p and min-p
+        # drop tokens in place in the last.
         self._float32 = ScratchTensor()
         self._scaled = ScratchTensor()
+        self._penalized = ScratchTensor()
 
     def release_scratch(self) -> None:
         self._scaled.release()
         self._float32.release()
+        self._penalized.release()
 
     def _widened(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.device.type != "cpu":
@@ -443,28 +446,51 @@ class Sampler:
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Repetition (on prompt + output: a seen logit > 0 divided, else multiplied),
+        then frequency (times the output count) and presence (output seen) subtracted,
+        as vLLM applies them. Only the seen tokens' logits are read and written, for all
+        rows at once: over the whole [rows, vocab] block (or a row at a time) it took
+        ~0.5 ms a row of a 49k vocabulary."""
         which = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not which:
             return logits
-        logits = logits.clone()
         V = logits.shape[1]
-        for i in which:
-            p = rows[i].params
-            out_ids = torch.tensor(rows[i].output_ids, dtype=torch.long)
-            row = logits[i]
-            if p.repetition_penalty != 1.0:
-                seen = torch.zeros(V, dtype=torch.bool)
-                seen[torch.tensor(rows[i].prompt_ids, dtype=torch.long)] = True
-                if out_ids.numel():
-                    seen[out_ids] = True
-                penalized = torch.where(row > 0, row / p.repetition_penalty,
-                                        row * p.repetition_penalty)
-                row = torch.where(seen, penalized, row)
-            if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
-                counts = torch.bincount(out_ids, minlength=V)[:V].to(row.dtype)
-                row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-            logits[i] = row
+        # A copy (the caller's logits stay as they are) in memory kept between steps.
+        logits = self._penalized.take(tuple(logits.shape), logits.dtype,
+                                      logits.device).copy_(logits)
+        rep = [i for i in which if rows[i].params.repetition_penalty != 1.0]
+        if rep:
+            k, r, t, _ = self._seen(rep, [rows[i].prompt_ids + rows[i].output_ids for i in rep],
+                                    V)
+            rp = torch.tensor([rows[i].params.repetition_penalty for i in rep],
+                              dtype=logits.dtype)[k]
+            vals = logits[r, t]
+            logits[r, t] = torch.where(vals > 0, vals / rp, vals * rp)
+        counted = [i for i in which if rows[i].output_ids
+                   and (rows[i].params.presence_penalty or rows[i].params.frequency_penalty)]
+        if counted:
+            k, r, t, n = self._seen(counted, [rows[i].output_ids for i in counted], V)
+            fp = torch.tensor([rows[i].params.frequency_penalty for i in counted],
+                              dtype=logits.dtype)[k]
+            pp = torch.tensor([rows[i].params.presence_penalty for i in counted],
+                              dtype=logits.dtype)[k]
+            counts = n.to(logits.dtype)
+            logits[r, t] = logits[r, t] - fp * counts - pp * (counts > 0)
         return logits
+
+    @staticmethod
+    def _seen(row_ids: list[int], ids: list[list[int]], vocab: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each distinct (row, token) of ``ids`` (ids[k] the tokens of row row_ids[k])
+        once, as tensors: (k, the row, the token, its count in ids[k]). A token out of
+        [0, vocab) raises IndexError, as indexing the row with it did."""
+        toks = torch.cat([torch.tensor(x, dtype=torch.long) for x in ids])
+        if toks.numel() and (int(toks.max()) >= vocab or int(toks.min()) < 0):
+            raise IndexError(f"token id out of range for a vocabulary of {vocab}")
+        pos = torch.cat([torch.full((len(x),), k, dtype=torch.long) for k, x in enumerate(ids)])
+        keys, counts = torch.unique(pos * vocab + toks, return_counts=True)
+        k = keys // vocab
+        return k, torch.tensor(row_ids, dtype=torch.long)[k], keys % vocab, counts
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Before min_tokens, EOS (unless ignored) and stop tokens cannot be sampled."""
