@@ -34,9 +34,9 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_a_request_that_makes_the_model_runner_raise_ends_alone(tiny_dir, hot_path):
-    """20 logprobs of a 16-token vocabulary make torch's topk raise inside the
-    runner's step: that request ends with ERROR and torch's message, the batch's
-    other requests finish with exactly the tokens they get without it."""
+    """20 logprobs of a 16-token vocabulary make the logprob kernel's check raise
+    inside the runner's step: that request ends with ERROR and the message, the
+    batch's other requests finish with exactly the tokens they get without it."""
     cfg = EngineArgs(model=tiny_dir, dtype="float32", block_size=4, max_model_len=64,
                      kv_cache_memory_bytes=4 << 20).create_engine_config()
 
@@ -57,7 +57,8 @@ def test_a_request_that_makes_the_model_runner_raise_ends_alone(tiny_dir, hot_pa
                 max_tokens=8, logprobs=20)))
     res = run_to_completion(eng)
     assert res["bad"]["finish_reason"] is FinishReason.ERROR
-    assert "model runner failed on this request: RuntimeError" in res["bad"]["stop_reason"]
+    assert ("model runner failed on this request: ValueError: n must be in [0, 16], got 20"
+            in res["bad"]["stop_reason"])
     assert {k: v["tokens"] for k, v in res.items() if k != "bad"} == expected
     assert eng.fault_isolation.num_culprits == 1
     eng.shutdown()
