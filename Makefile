@@ -39,8 +39,17 @@ $(STAMP): $(RUN_STAMP) pyproject.toml
 run: $(RUN_STAMP)
 	$(VENV)/bin/enginecore generate "$(PROMPT)"
 
+# The native kernels' tests again on the AVX2 and the baseline variants
+# (ENGINECORE_CPU_ISA caps the dispatch), so an AVX-512 machine tests all three.
+KERNEL_TESTS := tests/test_random_sampler.py tests/test_logprobs_kernel.py \
+	tests/test_kernel_twins.py tests/test_paged_attention.py tests/test_greedy_argmax.py \
+	tests/test_fused_ops.py tests/test_sampler.py
+
 test: $(STAMP)
 	$(PY) -m pytest tests
+	for isa in avx2 baseline; do \
+		ENGINECORE_CPU_ISA=$$isa $(PY) -m pytest -q $(KERNEL_TESTS) || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(PY) -m pytest bench --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds

@@ -4,6 +4,7 @@
 #include "cpu_kernels.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <algorithm>
@@ -57,14 +58,25 @@ namespace {
         ns::sample_rows, ns::top_p_rows, ns::logprob_rows                               \
   }
 
+// ENGINECORE_CPU_ISA=avx2 / baseline caps the choice (the tests of an AVX-512 machine
+// then run the other variants too); unset, or a variant this CPU lacks: the best one.
+bool allowed(const char* isa) {
+  const char* cap = std::getenv("ENGINECORE_CPU_ISA");
+  if (cap == nullptr || *cap == '\0' || std::strcmp(cap, "avx512") == 0) return true;
+  if (std::strcmp(cap, "avx2") == 0) return std::strcmp(isa, "avx512") != 0;
+  if (std::strcmp(cap, "baseline") == 0) return std::strcmp(isa, "baseline") == 0;
+  return true;  // unknown: ignored (cpu_kernels_info()["isa"] says what runs)
+}
+
 CpuKernels choose() {
 #ifdef ENGINECORE_MULTI_ISA
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+  if (allowed("avx512") && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq")) {
     return ECK_TABLE("avx512", isa_avx512);
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (allowed("avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     return ECK_TABLE("avx2", isa_avx2);
   }
 #endif

@@ -282,3 +282,23 @@ def test_public_cpu_kernels_info_follows_the_switch(hot_path):
     else:
         assert info["isa"] == _native._ext.cpu_kernels_info()["isa"] != "torch"
         assert info["attention_decode"] and info["bf16_gemv"] in ("avx512_bf16", "none")
+
+
+@pytest.mark.parametrize("cap,expect", [("baseline", "baseline"), ("avx2", "avx2"),
+                                        ("no-such-isa", None)])
+def test_the_cpu_isa_cap_picks_a_lower_variant(cap, expect):
+    """ENGINECORE_CPU_ISA caps the kernels' dispatch (how `make test` runs the AVX2 and
+    baseline variants on an AVX-512 machine); an unknown value changes nothing."""
+    import subprocess
+    import sys
+
+    from enginecore.model.cpu_flags import cpu_flags
+
+    if expect == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no AVX2 here")
+    code = ("import torch\nfrom enginecore import _native\n"
+            "print(_native.extension().cpu_kernels_info()['isa'])")
+    env = {**os.environ, "ENGINECORE_CPU_ISA": cap}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert got == (expect or C.cpu_kernels_info()["isa"])
