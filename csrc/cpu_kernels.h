@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 
 namespace enginecore {
 
@@ -12,6 +13,14 @@ struct bf16 {
 };
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };
+
+// A binding's dtype code as a DType; anything else is refused (ValueError in Python).
+inline DType check_dtype(int dtype) {
+  if (dtype != static_cast<int>(DType::kFloat32) && dtype != static_cast<int>(DType::kBFloat16)) {
+    throw std::invalid_argument("dtype must be 0 (float32) or 1 (bfloat16)");
+  }
+  return static_cast<DType>(dtype);
+}
 
 // Positions per tile of the attention's online softmax.
 constexpr int kTile = 32;

@@ -20,13 +20,6 @@ namespace {
 // Elements per parallel chunk: smaller pieces cost more to hand out than to do.
 constexpr int64_t kChunkElems = 1 << 15;
 
-DType check_dtype(int dtype) {
-  if (dtype != static_cast<int>(DType::kFloat32) && dtype != static_cast<int>(DType::kBFloat16)) {
-    throw std::invalid_argument("dtype must be 0 (float32) or 1 (bfloat16)");
-  }
-  return static_cast<DType>(dtype);
-}
-
 template <typename Params>
 struct RowJob {
   const Params* p;

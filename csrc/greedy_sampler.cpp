@@ -31,11 +31,9 @@ void run_row(void* ctx, int64_t i) {
 
 void greedy_argmax(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, uintptr_t out,
                    int dtype, int num_threads) {
-  if (dtype != static_cast<int>(DType::kFloat32) && dtype != static_cast<int>(DType::kBFloat16)) {
-    throw std::invalid_argument("dtype must be 0 (float32) or 1 (bfloat16)");
-  }
+  const DType type = check_dtype(dtype);
   if (rows < 0 || cols <= 0) throw std::invalid_argument("need rows >= 0 and cols > 0");
-  ArgmaxParams p{static_cast<DType>(dtype), reinterpret_cast<const void*>(logits), row_stride,
+  ArgmaxParams p{type, reinterpret_cast<const void*>(logits), row_stride,
                  cols, reinterpret_cast<int64_t*>(out)};
   ArgmaxJob job{&p, rows};
   py::gil_scoped_release release;

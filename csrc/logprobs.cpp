@@ -20,7 +20,7 @@ void logprob_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, 
                   uintptr_t tokens, int n, uintptr_t token_lp, uintptr_t rank,
                   uintptr_t top_ids, uintptr_t top_lp, int num_threads) {
   check_rows(rows, cols, row_stride);
-  if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be 0 (fp32) or 1 (bf16)");
+  const DType type = check_dtype(dtype);
   if (n < 0 || n > cols) throw std::invalid_argument("n must be in [0, cols]");
   const auto* t = reinterpret_cast<const int64_t*>(tokens);
   for (int64_t r = 0; r < rows; ++r) {
@@ -28,7 +28,7 @@ void logprob_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, 
       throw std::invalid_argument("tokens[" + std::to_string(r) + "] is not in [0, cols)");
     }
   }
-  const LogprobParams p{static_cast<DType>(dtype),
+  const LogprobParams p{type,
                         reinterpret_cast<const void*>(logits),
                         row_stride,
                         cols,

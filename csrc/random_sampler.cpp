@@ -21,7 +21,7 @@ namespace {
 void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, int dtype,
                  uintptr_t temperature, uintptr_t keys, uintptr_t out, int num_threads) {
   check_rows(rows, cols, row_stride);
-  if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be 0 (fp32) or 1 (bf16)");
+  const DType type = check_dtype(dtype);
   const auto* t = reinterpret_cast<const float*>(temperature);
   for (int64_t r = 0; t != nullptr && r < rows; ++r) {
     if (!(t[r] > 0.0f && t[r] < __builtin_inff())) {
@@ -29,7 +29,7 @@ void sample_rows(uintptr_t logits, int64_t row_stride, int64_t rows, int cols, i
                                   "] is not a positive finite number");
     }
   }
-  const SampleParams p{static_cast<DType>(dtype), reinterpret_cast<const void*>(logits),
+  const SampleParams p{type, reinterpret_cast<const void*>(logits),
                        row_stride, cols, t, reinterpret_cast<const int64_t*>(keys),
                        reinterpret_cast<int64_t*>(out)};
   run_rows(cpu_kernels().sample, p, rows, cols, num_threads);

@@ -178,12 +178,10 @@ def sample_rows_py(logits: int, row_stride: int, rows: int, cols: int, dtype: in
     temperature[r] unless its address is 0, with the Exp(1) variables of int64 keys[r]
     (``sampler.sample_rows_torch``)."""
     empty = _no_rows("sample_rows", rows, cols, row_stride)
-    if dtype not in (0, 1):
-        raise ValueError("sample_rows: dtype must be 0 (fp32) or 1 (bf16)")
+    dt = _dtype(dtype, "sample_rows")
     if empty:
         return
-    scores = _view(logits, torch.bfloat16 if dtype else torch.float32, (rows, cols),
-                   (row_stride, 1))
+    scores = _view(logits, dt, (rows, cols), (row_stride, 1))
     temps = _view(temperature, torch.float32, (rows,), (1,)) if temperature else None
     row_keys = _view(keys, torch.int64, (rows,), (1,))
     _view(out, torch.int64, (rows,), (1,)).copy_(sample_rows_torch(scores, row_keys, temps))
@@ -196,14 +194,12 @@ def logprob_rows_py(logits: int, row_stride: int, rows: int, cols: int, dtype: i
     the logprob (float32) and rank (int64) of int64 tokens[r], and the top n ids
     (int64) and logprobs (float32) (``sampler.logprob_rows_torch``)."""
     empty = _no_rows("logprob_rows", rows, cols, row_stride)
-    if dtype not in (0, 1):
-        raise ValueError("logprob_rows: dtype must be 0 (fp32) or 1 (bf16)")
+    dt = _dtype(dtype, "logprob_rows")
     if not 0 <= n <= cols:
         raise ValueError("logprob_rows: n must be in [0, cols]")
     if empty:
         return
-    scores = _view(logits, torch.bfloat16 if dtype else torch.float32, (rows, cols),
-                   (row_stride, 1))
+    scores = _view(logits, dt, (rows, cols), (row_stride, 1))
     toks = _view(tokens, torch.int64, (rows,), (1,))
     got = logprob_rows_torch(scores, toks, n)
     _view(token_lp, torch.float32, (rows,), (1,)).copy_(got[0])

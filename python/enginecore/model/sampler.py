@@ -44,7 +44,7 @@ class SamplerOutput:
 
 
 # dtype codes of the native kernels (csrc/cpu_kernels.h DType)
-_ARGMAX_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def plain_greedy(rows: list[SamplingRow]) -> bool:
@@ -96,7 +96,7 @@ def greedy_argmax(logits: torch.Tensor) -> list[int]:
     """Greedy tokens of [rows, vocab] logits in the model dtype: native on the CPU
     for float32 / bfloat16 (one pass, no float32 copy), else the twin."""
     ext = _native.extension()
-    if (ext is None or logits.device.type != "cpu" or logits.dtype not in _ARGMAX_DTYPES
+    if (ext is None or logits.device.type != "cpu" or logits.dtype not in _DTYPE_CODES
             or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0):
         return greedy_argmax_torch(logits)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
@@ -107,7 +107,7 @@ def greedy_argmax(logits: torch.Tensor) -> list[int]:
 def greedy_argmax_args(logits: torch.Tensor, out: torch.Tensor) -> tuple:
     """What ``_C.greedy_argmax`` (and ``kernel_twins.greedy_argmax_py``) take."""
     return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-            out.data_ptr(), _ARGMAX_DTYPES[logits.dtype], torch.get_num_threads())
+            out.data_ptr(), _DTYPE_CODES[logits.dtype], torch.get_num_threads())
 
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -179,6 +179,12 @@ def _native_for_rows(logits: torch.Tensor, bf16: bool = False):
     return ext
 
 
+def _reads_rows(logits: torch.Tensor) -> bool:
+    """The row kernels read ``logits`` in place: unit column stride, rows that do not
+    overlap (not broadcast with stride 0)."""
+    return logits.stride(-1) == 1 and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])
+
+
 def sample_rows(logits: torch.Tensor, keys: torch.Tensor,
                 temperature: torch.Tensor | None = None) -> torch.Tensor:
     """``sample_rows_torch``'s draw, natively for float32 or bf16 CPU rows (int64
@@ -188,8 +194,8 @@ def sample_rows(logits: torch.Tensor, keys: torch.Tensor,
     ext = _native_for_rows(logits, bf16=True)
     if ext is None:
         return sample_rows_torch(logits, keys, temperature)
-    if logits.stride(-1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
-        logits = logits.contiguous()  # strided or broadcast (stride 0) rows: it reads rows
+    if not _reads_rows(logits):
+        logits = logits.contiguous()
     keys = keys.to(torch.int64).contiguous()
     if temperature is not None:
         _check_per_row(logits, temperature, "temperature")
@@ -203,8 +209,7 @@ def sample_rows_args(logits: torch.Tensor, keys: torch.Tensor, out: torch.Tensor
                      temperature: torch.Tensor | None = None) -> tuple:
     """What ``_C.sample_rows`` (and ``kernel_twins.sample_rows_py``) take."""
     return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-            1 if logits.dtype == torch.bfloat16 else 0,
-            0 if temperature is None else temperature.data_ptr(),
+            _DTYPE_CODES[logits.dtype], 0 if temperature is None else temperature.data_ptr(),
             keys.data_ptr(), out.data_ptr(), torch.get_num_threads())
 
 
@@ -244,8 +249,8 @@ def top_p_rows_(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ext = _native_for_rows(logits)
     if ext is None:
         return logits.masked_fill_(~_top_p_keep(logits, top_p), float("-inf"))
-    if logits.stride(-1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
-        return logits.copy_(top_p_rows(logits, top_p))  # rows it cannot write in place
+    if not _reads_rows(logits):
+        return logits.copy_(top_p_rows(logits, top_p))
     p = top_p.to(torch.float64).contiguous()
     ext.top_p_rows(*top_p_rows_args(logits, p))
     return logits
@@ -272,8 +277,8 @@ def _top_n_ids(x: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` column ids of each row of ``x`` in (x desc, index asc) order
     (``_order_keys``). Only the values >= each row's n-th largest are keyed and sorted
     (ties at the boundary are common in widened bf16); a NaN anywhere keys the rows."""
-    cols = torch.arange(x.shape[1], device=x.device, dtype=torch.int64).expand_as(x)
     if n == 0 or x.shape[0] == 0 or bool(torch.isnan(x).any()):
+        cols = torch.arange(x.shape[1], device=x.device, dtype=torch.int64).expand_as(x)
         return _order_keys(x, cols).topk(n, dim=-1).indices
     nth = x.topk(n, dim=-1).values[:, -1:]
     k = int((x >= nth).sum(dim=-1).max())  # the n-th value's ties included
@@ -322,7 +327,7 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, n: int
     ext = _native_for_rows(logits, bf16=True)
     if ext is None:
         return logprob_rows_torch(logits, tokens, n)
-    if logits.stride(-1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
+    if not _reads_rows(logits):
         logits = logits.contiguous()
     tokens = tokens.to(torch.int64).contiguous()
     rows = logits.shape[0]
@@ -336,7 +341,7 @@ def logprob_rows_args(logits: torch.Tensor, tokens: torch.Tensor, n: int, token_
                       rank: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor) -> tuple:
     """What ``_C.logprob_rows`` (and ``kernel_twins.logprob_rows_py``) take."""
     return (logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-            1 if logits.dtype == torch.bfloat16 else 0, tokens.data_ptr(), n,
+            _DTYPE_CODES[logits.dtype], tokens.data_ptr(), n,
             token_lp.data_ptr(), rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr(),
             torch.get_num_threads())
 
@@ -525,9 +530,9 @@ class Sampler:
             if r.params.seed is not None:
                 keys[i] = _position_seed(r.params.seed, r.position)
         V = logits.shape[1]
-        truncated = (any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p)
-                     or any(m > 0 for m in min_p))
-        if not truncated:  # the kernel divides by the temperature as it reads the row
+        cut = any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p)
+        floor = any(m > 0 for m in min_p)
+        if not (cut or floor):  # the kernel divides by the temperature as it reads the row
             return sample_rows(logits, keys, temps)
         temps = temps.to(logits.dtype)
         if logits.device.type == "cpu":
@@ -535,9 +540,9 @@ class Sampler:
             logits = torch.div(logits, temps[:, None], out=scaled)
         else:
             logits = logits / temps[:, None]
-        if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
+        if cut:
             logits = self._top_k_top_p(logits, top_k, top_p)
-        if any(m > 0 for m in min_p):
+        if floor:
             probs = logits.softmax(dim=-1)
             mp = torch.tensor(min_p, dtype=probs.dtype)
             keep = probs >= probs.max(dim=-1, keepdim=True).values * mp[:, None]
